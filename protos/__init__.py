@@ -1,0 +1,1 @@
+"""Ferry protocol definitions and generated gRPC/protobuf code (see generate.py)."""

@@ -1,0 +1,3 @@
+"""Ferry: a gRPC inference server built around batching."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""`ferry` / `python -m server`: flags -> ServerConfig -> app.run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+from server import __version__
+from server.app import ServerConfig, run
+from server.rpc.server import MAX_MESSAGE_BYTES, RpcOptions
+
+
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model repository over gRPC")
+    p.add_argument("--model-repository", type=Path, required=True, help="folder of <model>/<version>/ folders")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="0 picks a free port and prints it")
+    p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port; 0 picks one, -1 disables")
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit")
+    p.add_argument("--default-max-batch-size", type=int, default=4, help="max_batch_size for auto-completed configs")
+    p.add_argument("--drain-grace-seconds", type=float, default=30.0, help="how long shutdown waits for admitted work")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key) to serve TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--log-level", default="INFO")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="ferry", description="Ferry inference server")
+    parser.add_argument("--version", action="version", version=f"ferry {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.model_repository.is_dir():
+        parser.error(f"--model-repository {args.model_repository} is not a folder")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    config = ServerConfig(
+        model_repository=args.model_repository,
+        rpc=RpcOptions(args.host, args.grpc_port, args.max_message_bytes, args.tls_cert, args.tls_key),
+        metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        default_max_batch_size=args.default_max_batch_size,
+        drain_grace_s=args.drain_grace_seconds,
+    )
+    asyncio.run(run(config))
+
+
+if __name__ == "__main__":
+    main()

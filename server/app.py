@@ -1,0 +1,68 @@
+"""Wiring: repository -> runners -> rpc server -> metrics endpoint; ordered start and drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from server.metrics import PrometheusFamilies
+from server.repository.registry import Registry
+from server.rpc.server import RpcOptions, RpcServer, inference_service
+from server.rpc.servicer import InferenceServicer
+
+log = logging.getLogger("ferry")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    model_repository: Path
+    rpc: RpcOptions = field(default_factory=RpcOptions)
+    metrics_port: int | None = 8002  # None: no metrics endpoint
+    default_max_batch_size: int = 4
+    drain_grace_s: float = 30.0
+
+
+@dataclass(slots=True)
+class ServerHealth:
+    live: bool = True
+    ready: bool = False
+
+
+async def run(config: ServerConfig, started: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM, then drain: refuse new work, finish admitted work, exit."""
+    health = ServerHealth()
+    prom = CollectorRegistry()
+    registry = Registry(config.model_repository, PrometheusFamilies(prom), config.default_max_batch_size)
+    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health))])
+    await rpc.start()
+    print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
+    if config.metrics_port is not None:
+        http, _ = start_http_server(config.metrics_port, addr=config.rpc.host, registry=prom)
+        print(f"ferry: serving metrics on http://{config.rpc.host}:{http.server_port}/metrics", flush=True)
+    await registry.load_all()
+    health.ready = True
+    await rpc.set_serving(True)
+    for name, state, reason in ((r[0], r[2], r[3]) for r in registry.index()):
+        log.info("model %-24s %-11s %s", name, state, reason)
+    print("ferry: ready", flush=True)
+    if started is not None:
+        started.set()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+    log.info("draining: refusing new requests, finishing admitted ones (grace %.0fs)", config.drain_grace_s)
+    health.ready = False
+    await rpc.set_serving(False)
+    await asyncio.gather(rpc.stop(config.drain_grace_s), registry.close(config.drain_grace_s))
+    if config.metrics_port is not None:
+        http.shutdown()
+    print("ferry: stopped", flush=True)

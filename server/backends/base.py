@@ -1,0 +1,59 @@
+"""The seam every backend implements: load once, execute batches, unload once.
+
+A backend sees whole batches as numpy arrays joined along dim 0; joining and splitting belong to
+`Batch`, so every backend gets the same batching contract for free. `execute` runs on the
+instance's own thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from protos import model_config_pb2 as mc
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    kind: str  # "cpu" or "cuda"
+    index: int = 0
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+
+class Backend(ABC):
+    name: str  # as written in a config's `backend` field
+    default_filename: str
+
+    def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
+        self.config = config
+        self.model_path = model_path
+        self.device = device
+
+    @classmethod
+    def complete_config(cls, config: mc.ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
+        """Fill what the config leaves out from the model file itself, where the format allows."""
+
+    @classmethod
+    def cuda_devices(cls) -> int:
+        """CUDA devices this backend can really use (0 where CUDA is absent or fails to start)."""
+        return 0
+
+    @abstractmethod
+    def load(self) -> None:
+        """Read the model onto `self.device`; raise with a readable message if it cannot be served."""
+
+    @abstractmethod
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch; return every output declared in the config, keyed by name."""
+
+    def unload(self) -> None:
+        """Release the model's memory."""
+
+    def describe(self) -> dict[str, str]:
+        """Facts an operator wants to see in the model's config parameters (device, provider)."""
+        return {"device": str(self.device)}

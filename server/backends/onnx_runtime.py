@@ -1,0 +1,141 @@
+"""ONNX Runtime backend.
+
+onnxruntime-gpu lists the CUDA provider even where CUDA's libraries are missing, then logs an error
+and silently runs on the CPU. So CUDA is probed once per process with a one-node model, and a model
+asks for CUDA only if the probe really got it; the provider each session ends up with is reported.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from protos import model_config_pb2 as mc
+from server import datatypes
+from server.backends.base import Backend, Device
+from server.errors import ConfigError
+from server.repository.config import parameter
+
+log = logging.getLogger(__name__)
+CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
+
+
+@functools.cache
+def _cuda_works() -> bool:
+    if CUDA not in ort.get_available_providers():
+        return False
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])], "probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    ort.set_default_logger_severity(4)  # the failed provider load is expected here; keep it quiet
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=[CUDA, CPU])
+        return CUDA in session.get_providers()
+    except Exception:  # noqa: BLE001 - any failure means "no CUDA"
+        return False
+    finally:
+        ort.set_default_logger_severity(2)
+
+
+def _graph_tensors(model_path: Path):
+    model = onnx.load(str(model_path), load_external_data=False)
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = [v for v in model.graph.input if v.name not in initializers]
+    return inputs, list(model.graph.output)
+
+
+def _tensor_info(value) -> tuple[datatypes.DataType, list[int]]:
+    tensor_type = value.type.tensor_type
+    np_dtype = helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
+    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
+    return datatypes.from_numpy(np_dtype), dims
+
+
+class OnnxRuntimeBackend(Backend):
+    name = "onnxruntime"
+    default_filename = "model.onnx"
+
+    @classmethod
+    def cuda_devices(cls) -> int:
+        if not _cuda_works():
+            return 0
+        import torch  # only to count devices, and only where CUDA already works
+
+        return torch.cuda.device_count()
+
+    @classmethod
+    def complete_config(cls, config: mc.ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
+        """Fill inputs, outputs and batching from the graph, as Triton's auto-complete does."""
+        if not config.platform:
+            config.platform = "onnxruntime_onnx"
+        if config.input and config.output:
+            return
+        inputs, outputs = _graph_tensors(model_path)
+        infos = [(v.name, *_tensor_info(v)) for v in inputs + outputs]
+        batchable = all(dims and dims[0] == -1 for _, _, dims in infos)
+        if not config.input and not config.output and config.max_batch_size == 0 and batchable:
+            config.max_batch_size = default_max_batch_size
+        skip = 1 if config.max_batch_size > 0 else 0
+        for target, values in ((config.input, inputs), (config.output, outputs)):
+            if target:
+                continue
+            for value in values:
+                dtype, dims = _tensor_info(value)
+                target.add(name=value.name, data_type=mc.DataType.Value(dtype.config), dims=dims[skip:])
+
+    def load(self) -> None:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = int(parameter(self.config, "intra_op_thread_count", "0"))
+        options.inter_op_num_threads = int(parameter(self.config, "inter_op_thread_count", "0"))
+        # Spinning threads burn a core while idle and starve the gRPC side on small machines.
+        spin = parameter(self.config, "allow_spinning", "0")
+        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+        if self.device.kind == "cuda":
+            providers = [(CUDA, {"device_id": self.device.index}), CPU]
+        else:
+            providers = [CPU]
+        self.session = ort.InferenceSession(str(self.model_path), options, providers=providers)
+        self.provider = self.session.get_providers()[0]
+        if self.device.kind == "cuda" and self.provider != CUDA:
+            self.device = Device("cpu")
+        self._check_names()
+        self._strings = {v.name for v in self.session.get_inputs() if v.type == "tensor(string)"}
+        self._outputs = [o.name for o in self.config.output]
+        log.info("model '%s': ONNX Runtime on %s (%s)", self.config.name, self.device, self.provider)
+
+    def _check_names(self) -> None:
+        declared = {i.name for i in self.session.get_inputs()}, {o.name for o in self.session.get_outputs()}
+        for kind, tensors, names in (("input", self.config.input, declared[0]), ("output", self.config.output, declared[1])):
+            for tensor in tensors:
+                if tensor.name not in names:
+                    raise ConfigError(
+                        f"{kind} '{tensor.name}' in the config is not an {kind} of {self.model_path.name} "
+                        f"(the model has {sorted(names)})"
+                    )
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feed = {n: self._to_ort_strings(v) if n in self._strings else v for n, v in inputs.items()}
+        values = self.session.run(self._outputs, feed)
+        return dict(zip(self._outputs, values))
+
+    @staticmethod
+    def _to_ort_strings(array: np.ndarray) -> np.ndarray:
+        # ONNX Runtime stringifies bytes objects ("b'..'"), so hand it text.
+        flat = [v.decode() if isinstance(v, bytes) else v for v in array.reshape(-1)]
+        return np.array(flat, dtype=object).reshape(array.shape)
+
+    def unload(self) -> None:
+        self.session = None
+
+    def describe(self) -> dict[str, str]:
+        return {"device": str(self.device), "execution_provider": self.provider}

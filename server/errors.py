@@ -1,0 +1,45 @@
+"""Domain errors. Each class names the client-visible outcome; rpc/errors.py maps them to gRPC codes.
+
+Code below the rpc layer raises these and never imports grpc, so schedulers and backends stay
+testable without a server.
+"""
+
+
+class FerryError(Exception):
+    """Base for errors whose message is meant for the client."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInputError(FerryError):
+    """The request cannot be run as sent (names, shapes, datatypes, parameters)."""
+
+
+class ModelNotFoundError(FerryError):
+    """No such model or version in the repository."""
+
+
+class ModelUnavailableError(FerryError):
+    """The model exists but cannot serve now (loading, failed, unloading, server draining)."""
+
+
+class QueueFullError(FerryError):
+    """Admission refused: the model's queue is at its limit."""
+
+
+class DeadlineExceededError(FerryError):
+    """The request's deadline passed before it could run."""
+
+
+class RequestCancelledError(FerryError):
+    """The client went away; the result has nowhere to go."""
+
+
+class BackendError(FerryError):
+    """The backend failed while running a batch; only that batch's requests see it."""
+
+
+class ConfigError(FerryError):
+    """A model configuration is invalid; the message names the file and the field."""

@@ -1,0 +1,106 @@
+"""Read a model's config (config.yaml or Triton's config.pbtxt) into one validated ModelConfig.
+
+Both syntaxes parse into the `inference.ModelConfig` protobuf message, YAML through protobuf's JSON
+mapping and pbtxt through text_format, so unknown keys and wrong types are refused with the field's
+name without a hand-written schema. Completion from the model file (ONNX inputs and outputs) is the
+backend's job; `validate` runs after it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from google.protobuf import json_format, text_format
+
+from protos import model_config_pb2 as mc
+from server.errors import ConfigError
+
+CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
+_SUPPORTED_SCHEDULING = {None, "dynamic_batching"}
+
+
+def config_path(model_dir: Path) -> Path | None:
+    found = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
+    if len(found) > 1:
+        raise ConfigError(f"{model_dir}: found {', '.join(p.name for p in found)}; keep exactly one config file")
+    return found[0] if found else None
+
+
+def read_config(model_dir: Path) -> mc.ModelConfig:
+    """Parse the model's config file, or start from an empty one named after the folder."""
+    path = config_path(model_dir)
+    config = mc.ModelConfig()
+    if path is not None:
+        text = path.read_text()
+        try:
+            if path.suffix == ".pbtxt":
+                text_format.Parse(text, config)
+            else:
+                data = yaml.safe_load(text) or {}
+                if not isinstance(data, dict):
+                    raise ConfigError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
+                json_format.ParseDict(data, config)
+        except (text_format.ParseError, json_format.ParseError, yaml.YAMLError) as exc:
+            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"{path}: {first_line}") from None
+    if config.name and config.name != model_dir.name:
+        raise ConfigError(f"{path}: field 'name' is {config.name!r} but the model folder is {model_dir.name!r}")
+    config.name = model_dir.name
+    return config
+
+
+def validate(config: mc.ModelConfig, source: str) -> None:
+    """Refuse what Ferry cannot serve, naming the field; fill Triton's defaults so the RPC shows them."""
+
+    def fail(field: str, why: str) -> None:
+        raise ConfigError(f"{source}: field '{field}' {why}")
+
+    if config.max_batch_size < 0:
+        fail("max_batch_size", f"must be >= 0, got {config.max_batch_size}")
+    scheduling = config.WhichOneof("scheduling_choice")
+    if scheduling not in _SUPPORTED_SCHEDULING:
+        fail(scheduling, "is not supported by Ferry yet (supported: dynamic_batching)")
+    if not config.input:
+        fail("input", "is empty and the model file does not declare its inputs")
+    if not config.output:
+        fail("output", "is empty and the model file does not declare its outputs")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        seen = set()
+        for i, tensor in enumerate(tensors):
+            where = f"{kind}[{i}]"
+            if not tensor.name:
+                fail(f"{where}.name", "is missing")
+            if tensor.name in seen:
+                fail(f"{where}.name", f"repeats {tensor.name!r}")
+            seen.add(tensor.name)
+            if tensor.data_type == mc.TYPE_INVALID or tensor.data_type == mc.TYPE_BF16:
+                fail(f"{where}.data_type", f"of {tensor.name!r} must be a supported TYPE_* (got {mc.DataType.Name(tensor.data_type)})")
+            if not tensor.dims:
+                fail(f"{where}.dims", f"of {tensor.name!r} must have at least one dimension")
+            if any(d == 0 or d < -1 for d in tensor.dims):
+                fail(f"{where}.dims", f"of {tensor.name!r} must be -1 or positive, got {list(tensor.dims)}")
+            if tensor.HasField("reshape"):
+                fail(f"{where}.reshape", "is not supported by Ferry yet")
+    if config.HasField("dynamic_batching"):
+        db = config.dynamic_batching
+        if config.max_batch_size == 0:
+            fail("dynamic_batching", "needs max_batch_size > 0")
+        for size in db.preferred_batch_size:
+            if not 1 <= size <= config.max_batch_size:
+                fail("dynamic_batching.preferred_batch_size", f"has {size}, outside 1..max_batch_size ({config.max_batch_size})")
+    for i, group in enumerate(config.instance_group):
+        if group.count < 0:
+            fail(f"instance_group[{i}].count", f"must be >= 1, got {group.count}")
+        if group.count == 0:
+            group.count = 1
+    if not config.instance_group:
+        config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    if not config.HasField("version_policy"):
+        config.version_policy.latest.num_versions = 1
+
+
+def parameter(config: mc.ModelConfig, key: str, default: str | None = None) -> str | None:
+    """A config `parameters` entry (Triton keeps these as strings)."""
+    value = config.parameters.get(key)
+    return value.string_value if value is not None else default

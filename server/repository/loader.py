@@ -1,0 +1,152 @@
+"""Turn one model folder into loaded versions: config, backend instances, scheduler.
+
+Runs in a worker thread at startup (model files can be large); nothing here touches the event loop.
+Failures are per version where possible, so one corrupt file never hides the model's other versions.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from protos import model_config_pb2 as mc
+from server import backends
+from server.backends.base import Backend, Device
+from server.errors import ConfigError, FerryError
+from server.repository import config as config_io
+from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
+from server.scheduling.queue import DELAY, REJECT, QueuePolicy, RequestQueue
+from server.signature import Signature
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadedVersion:
+    version: int
+    config: mc.ModelConfig | None = None
+    signature: Signature | None = None
+    backends: list[Backend] = field(default_factory=list)
+    error: str = ""
+
+
+def scan(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def version_dirs(model_dir: Path) -> dict[int, Path]:
+    return {int(p.name): p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()}
+
+
+def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list[int]:
+    """Versions to serve under Triton's version_policy (default: the latest one)."""
+    which = policy.WhichOneof("policy_choice")
+    if which == "all":
+        return sorted(available)
+    if which == "specific":
+        return sorted(set(policy.specific.versions))
+    count = policy.latest.num_versions if which == "latest" else 1
+    return sorted(available)[-max(count, 1):]
+
+
+def load_model(model_dir: Path, default_max_batch_size: int) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
+    """Read the config and load every selected version; raises ConfigError for model-wide problems."""
+    base = config_io.read_config(model_dir)
+    source = str(config_io.config_path(model_dir) or model_dir)
+    on_disk = version_dirs(model_dir)
+    if not on_disk:
+        raise ConfigError(f"{model_dir}: no numbered version folder (e.g. {model_dir.name}/1/)")
+    name = backends.resolve_backend_name(base, list(on_disk.values()), source)
+    if not base.backend:
+        base.backend = name
+    backend_cls = backends.backend_class(name)
+    versions = select_versions(base.version_policy, list(on_disk))
+    loaded = []
+    for number in versions:
+        entry = LoadedVersion(number)
+        try:
+            if number not in on_disk:
+                raise ConfigError(f"{source}: version_policy names version {number} but {model_dir / str(number)} does not exist")
+            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size)
+        except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the others
+            entry.error = exc.message if isinstance(exc, FerryError) else f"{model_dir / str(number)}: {type(exc).__name__}: {exc}"
+            log.error("model '%s' version %d failed to load: %s", model_dir.name, number, entry.error)
+            for backend in entry.backends:
+                backend.unload()
+            entry.backends = []
+        loaded.append(entry)
+    return base, loaded
+
+
+def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, source: str, default_mbs: int) -> None:
+    config = copy.deepcopy(base)
+    model_path = _model_file(config, backend_cls, version_dir)
+    backend_cls.complete_config(config, model_path, default_mbs)
+    if config.max_batch_size > 0 and config.WhichOneof("scheduling_choice") is None and not base.input:
+        config.dynamic_batching.SetInParent()  # auto-completed batching models batch dynamically (as Triton)
+    config_io.validate(config, source)
+    entry.config, entry.signature = config, Signature.from_config(config)
+    for device in _devices(config, backend_cls):
+        backend = backend_cls(config, model_path, device)
+        entry.backends.append(backend)
+        backend.load()
+    for key, value in entry.backends[0].describe().items():
+        config.parameters[key].string_value = value
+
+
+def _model_file(config: mc.ModelConfig, backend_cls, version_dir: Path) -> Path:
+    candidates = [config.default_model_filename] if config.default_model_filename else [backend_cls.default_filename]
+    if backend_cls.name == "pytorch" and not config.default_model_filename:
+        candidates.append("model.pt2")
+    for name in candidates:
+        if (version_dir / name).exists():
+            return version_dir / name
+    raise ConfigError(f"{version_dir}: model file {' or '.join(candidates)} is missing")
+
+
+def _devices(config: mc.ModelConfig, backend_cls) -> list[Device]:
+    kind = mc.ModelInstanceGroup.Kind
+    cuda_count = None
+    devices = []
+    for group in config.instance_group:
+        if group.kind == kind.Value("KIND_CPU"):
+            devices += [Device("cpu")] * group.count
+            continue
+        if cuda_count is None:
+            cuda_count = backend_cls.cuda_devices()
+        if group.kind == kind.Value("KIND_GPU") and cuda_count == 0:
+            raise ConfigError(f"instance_group asks for KIND_GPU but no CUDA device works for the {backend_cls.name} backend")
+        if cuda_count == 0:
+            devices += [Device("cpu")] * group.count  # KIND_AUTO without CUDA
+            continue
+        gpus = list(group.gpus) or list(range(cuda_count))
+        for gpu in gpus:
+            if gpu >= cuda_count:
+                raise ConfigError(f"instance_group names gpu {gpu} but only {cuda_count} CUDA devices exist")
+        devices += [Device("cuda", gpu) for gpu in gpus for _ in range(group.count)]
+    return devices
+
+
+def build_scheduler(config: mc.ModelConfig) -> DynamicBatcher:
+    db = config.dynamic_batching
+    dynamic = config.HasField("dynamic_batching")
+    settings = BatchingSettings(
+        max_batch_size=config.max_batch_size,
+        preferred_batch_sizes=tuple(db.preferred_batch_size),
+        max_queue_delay_ns=db.max_queue_delay_microseconds * 1000,
+        join=dynamic,
+    )
+    levels = max(int(db.priority_levels), 1)
+
+    def policy(p: mc.ModelQueuePolicy) -> QueuePolicy:
+        action = DELAY if p.timeout_action == mc.ModelQueuePolicy.DELAY else REJECT
+        return QueuePolicy(action, p.default_timeout_microseconds, p.allow_timeout_override, p.max_queue_size)
+
+    default = policy(db.default_queue_policy)
+    policies = [policy(db.priority_queue_policy[i]) if i in db.priority_queue_policy else default for i in range(1, levels + 1)]
+    default_level = int(db.default_priority_level) or 1
+    if default_level > levels:
+        raise ConfigError(f"{config.name}: dynamic_batching.default_priority_level {default_level} exceeds priority_levels {levels}")
+    return DynamicBatcher(settings, RequestQueue(policies, default_level))

@@ -1,0 +1,121 @@
+"""Live (model, version) -> state and runner; the one place requests look models up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from protos import model_config_pb2 as mc
+from server.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelUnavailableError
+from server.metrics import ModelStats, PrometheusFamilies
+from server.repository import loader
+from server.runner import ModelRunner
+from server.signature import Signature
+from server.worker import Worker
+
+log = logging.getLogger(__name__)
+
+LOADING, READY, UNAVAILABLE, UNLOADING = "LOADING", "READY", "UNAVAILABLE", "UNLOADING"
+
+
+@dataclass(slots=True)
+class ModelVersion:
+    name: str
+    version: int
+    state: str = LOADING
+    reason: str = ""
+    config: mc.ModelConfig | None = None
+    signature: Signature | None = None
+    runner: ModelRunner | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+
+class Registry:
+    def __init__(self, root: Path, families: PrometheusFamilies | None = None, default_max_batch_size: int = 4):
+        self.root = root
+        self.families = families
+        self.default_max_batch_size = default_max_batch_size
+        self._models: dict[str, dict[int, ModelVersion]] = {}
+        self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
+
+    async def load_all(self) -> None:
+        dirs = loader.scan(self.root)
+        await asyncio.gather(*(self._load(d) for d in dirs))
+
+    async def _load(self, model_dir: Path) -> None:
+        name = model_dir.name
+        self._errors.pop(name, None)
+        try:
+            _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size)
+        except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
+            self._errors[name] = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            log.error("model '%s' is unavailable: %s", name, self._errors[name])
+            return
+        versions = self._models.setdefault(name, {})
+        for entry in loaded:
+            mv = versions[entry.version] = ModelVersion(name, entry.version, config=entry.config, signature=entry.signature)
+            if entry.error:
+                mv.state, mv.reason = UNAVAILABLE, entry.error
+                continue
+            try:
+                scheduler = loader.build_scheduler(entry.config)
+            except ConfigError as exc:
+                mv.state, mv.reason = UNAVAILABLE, exc.message
+                continue
+            stats = ModelStats(name, entry.version, self.families)
+            workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
+            mv.runner = ModelRunner(name, entry.version, scheduler, workers, stats)
+            mv.runner.start()
+            mv.state = READY
+            log.info("model '%s' version %d is READY (%d instance(s))", name, entry.version, len(workers))
+
+    def get(self, name: str, version: str = "") -> ModelVersion:
+        """The version a request should use; raises NOT_FOUND / UNAVAILABLE / INVALID_ARGUMENT errors."""
+        versions = self._models.get(name)
+        if versions is None:
+            if name in self._errors:
+                raise ModelUnavailableError(f"model '{name}' is not available: {self._errors[name]}")
+            raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
+        if version:
+            if not version.isdigit():
+                raise InvalidInputError(f"model version must be a positive integer, got {version!r}")
+            mv = versions.get(int(version))
+            if mv is None:
+                raise ModelNotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
+            if not mv.ready:
+                raise ModelUnavailableError(f"model '{name}' version {version} is not at ready state: {mv.state} {mv.reason}".rstrip())
+            return mv
+        ready = [v for v in versions.values() if v.ready]
+        if not ready:
+            reasons = "; ".join(f"version {v.version}: {v.reason or v.state}" for v in versions.values())
+            raise ModelUnavailableError(f"model '{name}' has no available versions ({reasons})")
+        return max(ready, key=lambda v: v.version)
+
+    def knows(self, name: str) -> bool:
+        return name in self._models or name in self._errors
+
+    def ready_versions(self, name: str) -> list[int]:
+        return sorted(v.version for v in self._models.get(name, {}).values() if v.ready)
+
+    def all_versions(self, name: str = "") -> list[ModelVersion]:
+        names = [name] if name else sorted(self._models)
+        return [mv for n in names for _, mv in sorted(self._models.get(n, {}).items())]
+
+    def index(self) -> list[tuple[str, str, str, str]]:
+        """(name, version, state, reason) for every model found, loaded or not."""
+        rows = [(n, "", UNAVAILABLE, reason) for n, reason in self._errors.items()]
+        rows += [(mv.name, str(mv.version), mv.state, mv.reason) for mv in self.all_versions()]
+        return sorted(rows)
+
+    async def close(self, grace_s: float) -> None:
+        runners = []
+        for mv in self.all_versions():
+            if mv.runner is not None:
+                mv.state = UNLOADING
+                runners.append(mv.runner.close(grace_s))
+        await asyncio.gather(*runners)

@@ -1,0 +1,76 @@
+"""The records that travel from the servicer through a scheduler to a worker and back.
+
+Plain dataclasses: no protobuf, grpc or torch, so every layer below rpc/ can build and inspect them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from server.errors import BackendError
+
+
+@dataclass(slots=True, eq=False)
+class InferRequest:
+    """One client request, decoded and validated against its model's signature."""
+
+    model_name: str
+    inputs: dict[str, np.ndarray]
+    batch_size: int  # rows along dim 0 for batching models, 1 otherwise
+    batch_key: tuple  # requests with equal keys can be joined along dim 0
+    id: str = ""
+    requested_outputs: tuple[str, ...] = ()  # empty: all outputs
+    parameters: dict[str, Any] = field(default_factory=dict)
+    priority: int = 0  # resolved level: 1 is the highest
+    timeout_us: int = 0  # the request's own `timeout` parameter (0: none)
+    deadline_ns: int | None = None  # monotonic; the RPC's deadline until the queue folds in its policy
+    arrival_ns: int = 0  # monotonic time the servicer received it
+    enqueue_ns: int = 0
+    sequence: int = 0  # admission order, set by the queue; ties broken by it
+    timeout_action: str = "REJECT"  # what the queue does at the deadline: REJECT or DELAY
+    slot: Any = None  # the queue lane holding it while queued; written only by scheduling.queue
+    lane: int = 0  # that lane's rank: level - 1, or one past the lowest level once DELAYed
+    future: Any = None  # completion handle owned by the model runner; opaque to schedulers
+
+    def expired(self, now_ns: int) -> bool:
+        return self.deadline_ns is not None and now_ns >= self.deadline_ns
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Requests a scheduler chose to run together in one backend call."""
+
+    requests: list[InferRequest]
+    batched: bool  # True: join along dim 0; False: the single request runs as sent
+
+    @property
+    def size(self) -> int:
+        return sum(r.batch_size for r in self.requests)
+
+    def gather_inputs(self) -> dict[str, np.ndarray]:
+        """Join every input along dim 0: one copy per input, none for a single request."""
+        first = self.requests[0]
+        if len(self.requests) == 1:
+            return first.inputs
+        return {name: np.concatenate([r.inputs[name] for r in self.requests]) for name in first.inputs}
+
+    def scatter_outputs(self, outputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """Split batch outputs back per request as views; refuse outputs whose rows do not add up."""
+        if not self.batched:
+            return [outputs]
+        total = self.size
+        for name, value in outputs.items():
+            if value.ndim == 0 or value.shape[0] != total:
+                raise BackendError(
+                    f"output '{name}' has shape {list(value.shape)} but the batch has {total} rows; "
+                    "a batching model must return one row per input row"
+                )
+        results, start = [], 0
+        for request in self.requests:
+            stop = start + request.batch_size
+            results.append({name: value[start:stop] for name, value in outputs.items()})
+            start = stop
+        return results

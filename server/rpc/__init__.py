@@ -1,0 +1,1 @@
+"""gRPC front end: translate protobuf <-> request records; no batching logic lives here."""

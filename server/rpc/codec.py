@@ -1,0 +1,135 @@
+"""KServe v2 tensors <-> numpy.
+
+Raw contents become numpy views over the received bytes (no copy, no per-element Python work);
+typed contents are converted by numpy from protobuf's repeated fields in C. BYTES is the one
+exception: each element is its own Python object, so it is parsed element by element.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import numpy as np
+
+from protos import grpc_service_pb2 as pb
+from server import datatypes
+from server.errors import InvalidInputError
+
+# Typed-contents field for each API datatype (FP16 and BF16 have none: raw only).
+_TYPED_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+    "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+    "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+# Request parameters Triton reserves; anything else named triton_* is refused like Triton does.
+_RESERVED_TRITON_KEYS = {"triton_enable_empty_final_response"}
+_LENGTH = struct.Struct("<I")
+
+
+def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+    raw = request.raw_input_contents
+    if raw and any(t.HasField("contents") for t in request.inputs):
+        raise InvalidInputError(
+            "contents field must not be specified when using raw_input_contents: send every input raw or every input typed"
+        )
+    if raw and len(raw) != len(request.inputs):
+        raise InvalidInputError(
+            f"request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents entries; send one per input, in order"
+        )
+    inputs = {}
+    for i, tensor in enumerate(request.inputs):
+        if tensor.name in inputs:
+            raise InvalidInputError(f"input '{tensor.name}' appears twice in the request")
+        dtype = datatypes.BY_API.get(tensor.datatype)
+        if dtype is None:
+            raise InvalidInputError(
+                f"input '{tensor.name}' has unknown datatype {tensor.datatype!r}; use one of {sorted(datatypes.BY_API)}"
+            )
+        shape = tuple(tensor.shape)
+        if any(d < 0 for d in shape):
+            raise InvalidInputError(f"input '{tensor.name}' has negative dimensions in shape {list(shape)}")
+        if raw:
+            inputs[tensor.name] = _from_raw(tensor.name, dtype, shape, raw[i])
+        else:
+            inputs[tensor.name] = _from_typed(tensor, dtype, shape)
+    return inputs
+
+
+def _from_raw(name: str, dtype: datatypes.DataType, shape: tuple, data: bytes) -> np.ndarray:
+    count = math.prod(shape)
+    if dtype.api == "BYTES":
+        return _parse_bytes(name, data, count).reshape(shape)
+    if len(data) != count * dtype.itemsize:
+        raise InvalidInputError(
+            f"input '{name}': raw content is {len(data)} bytes but shape {list(shape)} of {dtype.api} needs "
+            f"{count * dtype.itemsize} bytes"
+        )
+    return np.frombuffer(data, dtype=dtype.numpy).reshape(shape)
+
+
+def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
+    field = _TYPED_FIELD.get(dtype.api)
+    if field is None:
+        raise InvalidInputError(f"input '{tensor.name}': datatype {dtype.api} can only be sent as raw_input_contents")
+    values = getattr(tensor.contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidInputError(
+            f"input '{tensor.name}': contents.{field} has {len(values)} elements but shape {list(shape)} needs {count}"
+        )
+    if dtype.api == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+    else:
+        array = np.array(values, dtype=dtype.numpy)
+    return array.reshape(shape)
+
+
+def _parse_bytes(name: str, data: bytes, count: int) -> np.ndarray:
+    out = np.empty(count, dtype=object)
+    view, offset, end = memoryview(data), 0, len(data)
+    for i in range(count):
+        if offset + 4 > end:
+            raise InvalidInputError(f"input '{name}': BYTES content ends after {i} of {count} elements")
+        (length,) = _LENGTH.unpack_from(data, offset)
+        offset += 4
+        if offset + length > end:
+            raise InvalidInputError(f"input '{name}': BYTES element {i} claims {length} bytes past the end of the content")
+        out[i] = bytes(view[offset : offset + length])
+        offset += length
+    if offset != end:
+        raise InvalidInputError(f"input '{name}': {end - offset} bytes left over after {count} BYTES elements")
+    return out
+
+
+def to_raw(array: np.ndarray) -> bytes:
+    """Flatten a tensor into KServe raw bytes (little-endian, row-major)."""
+    if array.dtype.kind in "OSU":
+        items = [v if isinstance(v, bytes) else str(v).encode() for v in array.reshape(-1)]
+        return b"".join(_LENGTH.pack(len(v)) + v for v in items)
+    return np.ascontiguousarray(array).tobytes()
+
+
+def decode_parameters(params) -> dict[str, Any]:
+    out = {}
+    for key, param in params.items():
+        if key.startswith("triton_") and key not in _RESERVED_TRITON_KEYS:
+            raise InvalidInputError(f"parameter '{key}' is reserved (names starting with 'triton_')")
+        which = param.WhichOneof("parameter_choice")
+        out[key] = getattr(param, which) if which else None
+    return out
+
+
+def encode_response(
+    request: pb.ModelInferRequest, version: int, outputs: dict[str, np.ndarray], order: tuple[str, ...]
+) -> pb.ModelInferResponse:
+    """Build the reply with raw contents only (tritonclient never reads typed numeric outputs)."""
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+    for name in order:
+        array = outputs[name]
+        response.outputs.add(name=name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)
+        response.raw_output_contents.append(to_raw(array))
+    return response

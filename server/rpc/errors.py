@@ -1,0 +1,50 @@
+"""Domain errors -> gRPC status codes: the one table, applied by a decorator on every RPC."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import grpc
+
+from server import errors
+
+log = logging.getLogger(__name__)
+
+STATUS = {
+    errors.InvalidInputError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.ModelNotFoundError: grpc.StatusCode.NOT_FOUND,
+    errors.ModelUnavailableError: grpc.StatusCode.UNAVAILABLE,
+    # Triton answers a full queue with UNAVAILABLE; tritonclient users and the KServe SDK's retry
+    # policy both expect that code, so Ferry keeps it.
+    errors.QueueFullError: grpc.StatusCode.UNAVAILABLE,
+    errors.DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    errors.RequestCancelledError: grpc.StatusCode.CANCELLED,
+    errors.BackendError: grpc.StatusCode.INTERNAL,
+    errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+def status_of(exc: errors.FerryError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return grpc.StatusCode.UNKNOWN
+
+
+def translate_errors(method):
+    """Turn FerryError into the mapped status; anything unexpected becomes INTERNAL, logged once."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except errors.FerryError as exc:
+            await context.abort(status_of(exc), exc.message)
+        except Exception as exc:  # noqa: BLE001 - the server keeps serving whatever a handler hits
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("unexpected error in %s", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    return wrapper

@@ -1,0 +1,66 @@
+"""The grpc.aio server: bind, message limits, health, reflection, TLS."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+
+INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+# Triton and tritonclient allow messages up to INT32_MAX; Python's default receive limit is 4 MiB.
+MAX_MESSAGE_BYTES = 2**31 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RpcOptions:
+    host: str = "127.0.0.1"
+    port: int = 8001
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+
+
+class RpcServer:
+    def __init__(self, options: RpcOptions, servicers: list[tuple[object, callable, str]]):
+        """`servicers`: (servicer, add_to_server function, full service name) for every service."""
+        limit = options.max_message_bytes
+        self.server = grpc.aio.server(options=[
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+        ])
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        for servicer, add, name in servicers:
+            add(servicer, self.server)
+            names.append(name)
+        self._served = [n for n in names if n not in (health.SERVICE_NAME, reflection.SERVICE_NAME)]
+        reflection.enable_server_reflection(names, self.server)
+        address = f"{options.host}:{options.port}"
+        if options.tls_cert and options.tls_key:
+            credentials = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())])
+            self.port = self.server.add_secure_port(address, credentials)
+        else:
+            self.port = self.server.add_insecure_port(address)
+        self.host = options.host
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._served]:
+            await self.health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)
+
+
+def inference_service(servicer) -> tuple[object, callable, str]:
+    return servicer, pb_grpc.add_GRPCInferenceServiceServicer_to_server, INFERENCE_SERVICE

@@ -1,0 +1,43 @@
+"""The seam every batching policy implements; the model runner drives it from one event loop."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from server.request import Batch, InferRequest
+
+
+class Scheduler(ABC):
+    """Decides which queued requests run together and when.
+
+    The runner calls `submit` for each admitted request, `next_batch` whenever an instance is free,
+    `expire` and `next_event_ns` to wake on time, and `complete` after each batch ran. Only the
+    runner's event loop calls these, so implementations need no locks.
+    """
+
+    @abstractmethod
+    def submit(self, request: InferRequest, now_ns: int) -> None:
+        """Queue a request or raise QueueFullError; never blocks."""
+
+    @abstractmethod
+    def next_batch(self, now_ns: int) -> Batch | None:
+        """A batch for a free instance, or None when waiting longer would give a better one."""
+
+    @abstractmethod
+    def next_event_ns(self, now_ns: int) -> int | None:
+        """The monotonic time at which `next_batch` or `expire` may answer differently; None: no timer needed."""
+
+    @abstractmethod
+    def expire(self, now_ns: int) -> list[InferRequest]:
+        """Remove and return the requests whose deadline passed and whose policy rejects them."""
+
+    @abstractmethod
+    def cancel(self, request: InferRequest) -> bool:
+        """Drop a queued request (client gone); False if it already left the queue."""
+
+    def complete(self, batch: Batch, exec_ns: int, now_ns: int) -> None:
+        """Feedback after a batch ran; adaptive policies learn execution time from it."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Requests waiting."""

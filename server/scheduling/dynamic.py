@@ -1,0 +1,82 @@
+"""Dynamic batching: a batch leaves when it is full or when its oldest request has waited long enough.
+
+NOTE: a batch is only cut when an instance is free to run it (the runner calls `next_batch` then),
+so while every instance is busy the queue keeps growing into larger batches. Cut rule, per group of
+joinable requests, most urgent group first: dispatch at once if the group fills `max_batch_size`
+or reaches a preferred size (the largest one it can fill); otherwise wait until the oldest request
+has waited `max_queue_delay`, then dispatch what is there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from server.request import Batch, InferRequest
+from server.scheduling.base import Scheduler
+from server.scheduling.queue import Group, RequestQueue
+
+
+@dataclass(frozen=True, slots=True)
+class BatchingSettings:
+    max_batch_size: int  # rows per batch; 0: the model does not batch, requests run one by one
+    preferred_batch_sizes: tuple[int, ...] = ()
+    max_queue_delay_ns: int = 0
+    join: bool = True  # False: Triton's default scheduler, each request is its own batch
+
+
+class DynamicBatcher(Scheduler):
+    def __init__(self, settings: BatchingSettings, queue: RequestQueue):
+        self.settings = settings
+        self.queue = queue
+        self._preferred = frozenset(settings.preferred_batch_sizes)
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def submit(self, request: InferRequest, now_ns: int) -> None:
+        self.queue.push(request, now_ns)
+
+    def cancel(self, request: InferRequest) -> bool:
+        return self.queue.remove(request)
+
+    def expire(self, now_ns: int) -> list[InferRequest]:
+        return self.queue.expire(now_ns)
+
+    def next_batch(self, now_ns: int) -> Batch | None:
+        batching = self.settings.max_batch_size > 0
+        for group in self.queue.groups():
+            count = self._cut(group, now_ns) if batching and self.settings.join else 1
+            if count:
+                return Batch(self.queue.take(group, count), batched=batching)
+        return None
+
+    def next_event_ns(self, now_ns: int) -> int | None:
+        # Windows already over are waiting for an instance, whose release wakes the runner anyway.
+        delay = self.delay_ns(now_ns)
+        times = [t for g in self.queue.groups() if (t := g.head().enqueue_ns + delay) > now_ns]
+        deadline = self.queue.next_deadline_ns()
+        if deadline is not None:
+            times.append(deadline)
+        return min(times) if times else None
+
+    def delay_ns(self, now_ns: int) -> int:
+        """How long the oldest request of a group may wait for company."""
+        return self.settings.max_queue_delay_ns
+
+    def _cut(self, group: Group, now_ns: int) -> int:
+        """How many requests of the group to dispatch now (0: keep waiting)."""
+        limit = self.settings.max_batch_size
+        rows = count = preferred = 0
+        for request in group:
+            if rows + request.batch_size > limit:
+                return count
+            rows += request.batch_size
+            count += 1
+            if rows in self._preferred:
+                preferred = count
+        if rows == limit:
+            return count
+        if preferred:
+            return preferred
+        waited = now_ns - group.head().enqueue_ns
+        return count if waited >= self.delay_ns(now_ns) else 0

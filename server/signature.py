@@ -1,0 +1,110 @@
+"""A model's tensor signature, and the checks every request passes before it is queued.
+
+Checks run once per request on shapes and dtypes only (never per element), and every message names
+the tensor and what was expected, so a client can fix the call without reading server logs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from protos import model_config_pb2 as mc
+from server import datatypes
+from server.errors import InvalidInputError
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    datatype: datatypes.DataType
+    dims: tuple[int, ...]  # without the batch dimension; -1 = any size
+    optional: bool = False
+
+    def shape_for_metadata(self, batching: bool) -> list[int]:
+        return ([-1] if batching else []) + list(self.dims)
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    model: str
+    max_batch_size: int
+    inputs: dict[str, TensorSpec]
+    outputs: dict[str, TensorSpec]
+
+    @classmethod
+    def from_config(cls, config: mc.ModelConfig) -> Signature:
+        def spec(t) -> TensorSpec:
+            dtype = datatypes.BY_CONFIG[mc.DataType.Name(t.data_type)]
+            return TensorSpec(t.name, dtype, tuple(t.dims), getattr(t, "optional", False))
+
+        return cls(
+            model=config.name,
+            max_batch_size=config.max_batch_size,
+            inputs={t.name: spec(t) for t in config.input},
+            outputs={t.name: spec(t) for t in config.output},
+        )
+
+    @property
+    def batching(self) -> bool:
+        return self.max_batch_size > 0
+
+    def check_inputs(self, inputs: dict[str, np.ndarray]) -> tuple[int, tuple]:
+        """Validate decoded inputs; return (batch size, key of shapes that must match to join)."""
+        for name in inputs:
+            if name not in self.inputs:
+                raise InvalidInputError(
+                    f"unexpected input '{name}' for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
+                )
+        missing = [n for n, s in self.inputs.items() if n not in inputs and not s.optional]
+        if missing:
+            raise InvalidInputError(f"missing input {missing} for model '{self.model}'")
+        batch_sizes = set()
+        key = []
+        for name, spec in self.inputs.items():
+            value = inputs.get(name)
+            if value is None:
+                key.append((name, None))
+                continue
+            self._check_dtype(spec, value)
+            shape = value.shape
+            if self.batching:
+                if len(shape) < 1 or shape[0] < 1:
+                    raise InvalidInputError(
+                        f"input '{name}' has shape {list(shape)}; model '{self.model}' batches, so dim 0 "
+                        f"is the batch size (1..{self.max_batch_size}) followed by dims {list(spec.dims)}"
+                    )
+                batch_sizes.add(shape[0])
+                shape = shape[1:]
+            self._check_dims(spec, shape, value.shape)
+            key.append((name, shape))
+        if len(batch_sizes) > 1:
+            raise InvalidInputError(f"inputs of model '{self.model}' disagree on the batch size: {sorted(batch_sizes)}")
+        batch_size = batch_sizes.pop() if batch_sizes else 1
+        if self.batching and batch_size > self.max_batch_size:
+            raise InvalidInputError(
+                f"batch size {batch_size} exceeds max_batch_size {self.max_batch_size} of model '{self.model}'"
+            )
+        return batch_size, tuple(key)
+
+    def check_outputs(self, requested: tuple[str, ...]) -> None:
+        for name in requested:
+            if name not in self.outputs:
+                raise InvalidInputError(
+                    f"unknown output '{name}' requested from model '{self.model}'; outputs: {sorted(self.outputs)}"
+                )
+
+    def _check_dtype(self, spec: TensorSpec, value: np.ndarray) -> None:
+        got = datatypes.from_numpy(value.dtype)
+        if got is not spec.datatype:
+            raise InvalidInputError(
+                f"input '{spec.name}' has datatype {got.api}; model '{self.model}' expects {spec.datatype.api}"
+            )
+
+    def _check_dims(self, spec: TensorSpec, dims: tuple, full_shape: tuple) -> None:
+        if len(dims) != len(spec.dims) or any(d != -1 and d != s for d, s in zip(spec.dims, dims)):
+            expected = spec.shape_for_metadata(self.batching)
+            raise InvalidInputError(
+                f"input '{spec.name}' has shape {list(full_shape)}; model '{self.model}' expects {expected} (-1 = any size)"
+            )

@@ -1,0 +1,63 @@
+"""One model instance: a backend and the one thread that runs its batches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.backends.base import Backend
+from server.errors import BackendError
+from server.request import Batch
+from server.signature import Signature
+
+
+@dataclass(slots=True)
+class BatchResult:
+    outputs: list[dict[str, np.ndarray]]  # one per request, in batch order
+    input_ns: int
+    infer_ns: int
+    output_ns: int
+
+
+class Worker:
+    def __init__(self, backend: Backend, signature: Signature, name: str):
+        self.backend = backend
+        self.signature = signature
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, batch: Batch) -> BatchResult:
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, batch)
+
+    def _execute(self, batch: Batch) -> BatchResult:
+        t0 = time.monotonic_ns()
+        inputs = batch.gather_inputs()
+        t1 = time.monotonic_ns()
+        try:
+            outputs = self.backend.execute(inputs)
+        except BackendError:
+            raise
+        except Exception as exc:  # a model failure fails its own batch, never the server
+            raise BackendError(f"model '{self.signature.model}' failed: {exc}") from exc
+        t2 = time.monotonic_ns()
+        self._check(outputs)
+        split = batch.scatter_outputs(outputs)
+        return BatchResult(split, t1 - t0, t2 - t1, time.monotonic_ns() - t2)
+
+    def _check(self, outputs: dict[str, np.ndarray]) -> None:
+        for name, spec in self.signature.outputs.items():
+            value = outputs.get(name)
+            if value is None:
+                raise BackendError(f"model '{self.signature.model}' did not produce output '{name}'")
+            if spec.datatype.api != "BYTES" and value.dtype != spec.datatype.numpy:
+                raise BackendError(
+                    f"model '{self.signature.model}' produced output '{name}' as {value.dtype}; "
+                    f"the config declares {spec.datatype.config}"
+                )
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.backend.unload()

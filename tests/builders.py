@@ -1,0 +1,97 @@
+"""Tiny, seeded models and model folders that tests build on the fly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+ONNX_TYPES = {
+    "BOOL": TensorProto.BOOL, "UINT8": TensorProto.UINT8, "UINT16": TensorProto.UINT16,
+    "UINT32": TensorProto.UINT32, "UINT64": TensorProto.UINT64, "INT8": TensorProto.INT8,
+    "INT16": TensorProto.INT16, "INT32": TensorProto.INT32, "INT64": TensorProto.INT64,
+    "FP16": TensorProto.FLOAT16, "FP32": TensorProto.FLOAT, "FP64": TensorProto.DOUBLE,
+    "BYTES": TensorProto.STRING,
+}
+
+
+def save_onnx(nodes, inputs, outputs, path: Path, initializers=()) -> Path:
+    graph = helper.make_graph(nodes, path.parent.parent.name or "model", inputs, outputs, initializer=list(initializers))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def tensor(name: str, elem, shape):
+    return helper.make_tensor_value_info(name, elem, shape)
+
+
+def add_sub(path: Path, width: int = 4) -> Path:
+    """INPUT0, INPUT1 [batch, width] FP32 -> OUTPUT0 = a + b, OUTPUT1 = a - b (Triton's 'simple')."""
+    nodes = [helper.make_node("Add", ["INPUT0", "INPUT1"], ["OUTPUT0"]),
+             helper.make_node("Sub", ["INPUT0", "INPUT1"], ["OUTPUT1"])]
+    ins = [tensor(n, TensorProto.FLOAT, ["batch", width]) for n in ("INPUT0", "INPUT1")]
+    outs = [tensor(n, TensorProto.FLOAT, ["batch", width]) for n in ("OUTPUT0", "OUTPUT1")]
+    return save_onnx(nodes, ins, outs, path)
+
+
+def identity_all_types(path: Path) -> Path:
+    """IN_<TYPE> [batch, n] -> OUT_<TYPE>, one pair per KServe datatype numpy can hold."""
+    nodes = [helper.make_node("Identity", [f"IN_{t}"], [f"OUT_{t}"]) for t in ONNX_TYPES]
+    ins = [tensor(f"IN_{t}", e, ["batch", "n"]) for t, e in ONNX_TYPES.items()]
+    outs = [tensor(f"OUT_{t}", e, ["batch", "n"]) for t, e in ONNX_TYPES.items()]
+    return save_onnx(nodes, ins, outs, path)
+
+
+def fragile(path: Path) -> Path:
+    """X [batch, n] FP32 -> Y = X, but ONNX Runtime fails when the element count is not a multiple of 3."""
+    shape3 = helper.make_tensor("shape3", TensorProto.INT64, [2], [-1, 3])
+    nodes = [helper.make_node("Reshape", ["X", "shape3"], ["X3"]),
+             helper.make_node("Shape", ["X"], ["xshape"]),
+             helper.make_node("Reshape", ["X3", "xshape"], ["Y"])]
+    return save_onnx(nodes, [tensor("X", TensorProto.FLOAT, ["batch", "n"])],
+                     [tensor("Y", TensorProto.FLOAT, ["batch", "n"])], path, [shape3])
+
+
+def mlp(path: Path, width: int = 16, seed: int = 0) -> Path:
+    """X [batch, width] -> Y = relu(X W + b): a real computation whose rows are independent."""
+    rng = np.random.default_rng(seed)
+    w = helper.make_tensor("W", TensorProto.FLOAT, [width, width], rng.standard_normal((width, width)).astype(np.float32).ravel())
+    b = helper.make_tensor("B", TensorProto.FLOAT, [width], rng.standard_normal(width).astype(np.float32))
+    nodes = [helper.make_node("Gemm", ["X", "W", "B"], ["H"]), helper.make_node("Relu", ["H"], ["Y"])]
+    return save_onnx(nodes, [tensor("X", TensorProto.FLOAT, ["batch", width])],
+                     [tensor("Y", TensorProto.FLOAT, ["batch", width])], path, [w, b])
+
+
+def torch_affine(folder: Path, export: bool = False) -> Path:
+    """x [batch, 4] FP32 -> (2x + 1, sum over dim 1): TorchScript `model.pt` or torch.export `model.pt2`."""
+    import torch
+
+    class Affine(torch.nn.Module):
+        def forward(self, x):
+            return x * 2 + 1, x.sum(dim=1, keepdim=True)
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if export:
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        program = torch.export.export(Affine(), (torch.zeros(2, 4),), dynamic_shapes=({0: batch},))
+        path = folder / "model.pt2"
+        torch.export.save(program, str(path))
+    else:
+        path = folder / "model.pt"
+        torch.jit.script(Affine()).save(str(path))
+    return path
+
+
+TORCH_AFFINE_CONFIG = """
+max_batch_size: 8
+dynamic_batching: {max_queue_delay_microseconds: 2000}
+input: [{name: x, data_type: TYPE_FP32, dims: [4]}]
+output:
+  - {name: y, data_type: TYPE_FP32, dims: [4]}
+  - {name: total, data_type: TYPE_FP32, dims: [1]}
+"""
