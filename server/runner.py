@@ -61,14 +61,16 @@ class ModelRunner:
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while self._accepting or len(self.scheduler) or self._running:
+        while self._accepting or len(self.scheduler) or len(self._idle) < len(self.workers):
             now = time.monotonic_ns()
             for request in self.scheduler.expire(now):
                 _fail(request, DeadlineExceededError(
                     f"request to model '{self.name}' waited {(now - request.enqueue_ns) / 1e6:.1f} ms in the queue "
                     "and its deadline passed before it could run"))
+            # Draining: no one else is coming, so every batching window counts as closed.
+            cut_at = now if self._accepting else now + 10**18
             while self._idle:
-                batch = self.scheduler.next_batch(now)
+                batch = self.scheduler.next_batch(cut_at)
                 if batch is None:
                     break
                 self._dispatch(batch, now)

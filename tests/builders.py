@@ -39,11 +39,12 @@ def add_sub(path: Path, width: int = 4) -> Path:
     return save_onnx(nodes, ins, outs, path)
 
 
-def identity_all_types(path: Path) -> Path:
+def identity_all_types(path: Path, skip: tuple[str, ...] = ()) -> Path:
     """IN_<TYPE> [batch, n] -> OUT_<TYPE>, one pair per KServe datatype numpy can hold."""
-    nodes = [helper.make_node("Identity", [f"IN_{t}"], [f"OUT_{t}"]) for t in ONNX_TYPES]
-    ins = [tensor(f"IN_{t}", e, ["batch", "n"]) for t, e in ONNX_TYPES.items()]
-    outs = [tensor(f"OUT_{t}", e, ["batch", "n"]) for t, e in ONNX_TYPES.items()]
+    types = {t: e for t, e in ONNX_TYPES.items() if t not in skip}
+    nodes = [helper.make_node("Identity", [f"IN_{t}"], [f"OUT_{t}"]) for t in types]
+    ins = [tensor(f"IN_{t}", e, ["batch", "n"]) for t, e in types.items()]
+    outs = [tensor(f"OUT_{t}", e, ["batch", "n"]) for t, e in types.items()]
     return save_onnx(nodes, ins, outs, path)
 
 

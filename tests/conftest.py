@@ -1,0 +1,104 @@
+"""Shared fixtures: real servers started as `python -m server serve` on 127.0.0.1:0."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in ("unit", "integration", "gpu"):
+            item.add_marker(getattr(pytest.mark, folder))
+
+
+class RunningServer:
+    """A `ferry serve` subprocess; its stdout is collected so tests can read what it printed."""
+
+    def __init__(self, repo: Path, *extra: str, timeout_s: float = 90):
+        cmd = [sys.executable, "-m", "server", "serve", "--model-repository", str(repo),
+               "--grpc-port", "0", "--metrics-port", "0", *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        threading.Thread(target=self._pump, daemon=True).start()
+        if not self._ready.wait(timeout_s):
+            self.stop()
+            raise RuntimeError("server did not become ready:\n" + "".join(self.lines))
+        text = "".join(self.lines)
+        self.address = re.search(r"ferry: serving gRPC on (\S+)", text).group(1)
+        self.metrics_url = re.search(r"ferry: serving metrics on (\S+)", text).group(1)
+        self.channel = grpc.insecure_channel(self.address, options=[
+            ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith("ferry: ready"):
+                self._ready.set()
+        self._ready.set()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """The current value of one Prometheus sample, read from the server's /metrics page."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                    return sample.value
+        return None
+
+    def wait_for_metric(self, name: str, value: float, timeout_s: float = 20, **labels: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.metric(name, **labels) == value:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{name}{labels} never reached {value} (last: {self.metric(name, **labels)})")
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def stop(self, sig=signal.SIGTERM, timeout_s: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if hasattr(self, "channel"):
+            self.channel.close()
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_server():
+    servers = []
+
+    def start(repo: Path, *extra: str) -> RunningServer:
+        server = RunningServer(repo, *extra)
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

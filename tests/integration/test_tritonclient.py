@@ -1,0 +1,65 @@
+"""NVIDIA's tritonclient[grpc], unchanged from PyPI, against Ferry."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from onnx import TensorProto, helper
+
+from tests import builders
+from tests.conftest import RunningServer
+
+pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is part of the test extra")
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    repo = tmp_path_factory.mktemp("repo")
+    builders.add_sub(repo / "simple" / "1" / "model.onnx")
+    builders.save_onnx([helper.make_node("Identity", ["TEXT"], ["TEXT_OUT"])],
+                       [builders.tensor("TEXT", TensorProto.STRING, ["batch", 2])],
+                       [builders.tensor("TEXT_OUT", TensorProto.STRING, ["batch", 2])], repo / "echo" / "1" / "model.onnx")
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.onnx").write_bytes(b"junk")
+    server = RunningServer(repo)
+    try:
+        script = Path(__file__).with_name("tritonclient_calls.py")
+        done = subprocess.run([sys.executable, str(script), server.address], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+    finally:
+        server.stop()
+
+
+def test_health_and_metadata(result):
+    assert result["live"] and result["ready"] and result["model_ready"]
+    assert "statistics" in result["extensions"]
+    meta = result["model_metadata"]
+    assert meta["platform"] == "onnxruntime_onnx"
+    assert [(t["name"], t["datatype"], t["shape"]) for t in meta["inputs"]] == [
+        ("INPUT0", "FP32", ["-1", "4"]), ("INPUT1", "FP32", ["-1", "4"])]
+    assert result["config"]["max_batch_size"] == 4 and result["config"]["input"][0]["data_type"] == "TYPE_FP32"
+
+
+def test_infer_outputs_and_bytes(result):
+    assert result["sum_ok"] and result["diff_ok"] and result["id"] == "t-1"
+    assert result["subset_outputs"] == ["OUTPUT1"]
+    assert result["bytes_ok"]
+
+
+def test_errors_reach_tritonclient_with_status(result):
+    assert result["unknown_model"]["status"] == "StatusCode.NOT_FOUND"
+    assert "Request for unknown model" in result["unknown_model"]["message"]
+    assert result["wrong_dtype"]["status"] == "StatusCode.INVALID_ARGUMENT"
+    assert "INPUT0" in result["wrong_dtype"]["message"]
+
+
+def test_index_and_statistics(result):
+    states = {m["name"]: m["state"] for m in result["index"]}
+    assert states == {"broken": "UNAVAILABLE", "echo": "READY", "simple": "READY"}
+    stats = result["stats"]
+    assert stats["inference_count"] == "4" and stats["execution_count"] == "2"  # two infers of 2 rows each

@@ -1,0 +1,86 @@
+"""Protobuf tensors <-> numpy, and the checks a request passes before it is queued."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protos import grpc_service_pb2 as pb
+from protos import model_config_pb2 as mc
+from server.errors import InvalidInputError
+from server.rpc import codec
+from server.signature import Signature
+
+
+def raw_request(name, datatype, shape, data: bytes) -> pb.ModelInferRequest:
+    r = pb.ModelInferRequest(model_name="m")
+    r.inputs.add(name=name, datatype=datatype, shape=shape)
+    r.raw_input_contents.append(data)
+    return r
+
+
+def test_raw_numeric_input_is_a_view_over_the_received_bytes():
+    data = np.arange(6, dtype=np.int32).tobytes()
+    request = raw_request("x", "INT32", [2, 3], data)
+    array = codec.decode_inputs(request)["x"]
+    assert array.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert not array.flags.owndata  # no copy was made
+
+
+def test_bytes_round_trip_with_length_prefixes():
+    values = np.array([b"ab", b"", "é".encode(), b"\x00\xff"], dtype=object).reshape(2, 2)
+    raw = codec.to_raw(values)
+    assert raw[:6] == b"\x02\x00\x00\x00ab"
+    decoded = codec.decode_inputs(raw_request("s", "BYTES", [2, 2], raw))["s"]
+    assert decoded.tolist() == values.tolist()
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"\x05\x00\x00\x00ab", "past the end"), (b"\x01\x00\x00\x00a\x00", "ends after"),
+    (b"\x01\x00\x00\x00a\x01\x00\x00\x00bX", "left over"),
+])
+def test_malformed_bytes_are_refused(raw, words):
+    with pytest.raises(InvalidInputError, match=words):
+        codec.decode_inputs(raw_request("s", "BYTES", [2], raw))
+
+
+def test_unknown_datatype_and_reserved_parameter_are_refused():
+    with pytest.raises(InvalidInputError, match="unknown datatype 'FLOAT'"):
+        codec.decode_inputs(raw_request("x", "FLOAT", [1], b"\x00" * 4))
+    params = pb.ModelInferRequest().parameters
+    params["triton_secret"].bool_param = True
+    with pytest.raises(InvalidInputError, match="reserved"):
+        codec.decode_parameters(params)
+
+
+def test_parameters_decode_to_python_values():
+    request = pb.ModelInferRequest()
+    request.parameters["priority"].uint64_param = 2
+    request.parameters["timeout"].int64_param = 1500
+    request.parameters["note"].string_param = "hi"
+    assert codec.decode_parameters(request.parameters) == {"priority": 2, "timeout": 1500, "note": "hi"}
+
+
+def signature(max_batch=4) -> Signature:
+    config = mc.ModelConfig(name="m", max_batch_size=max_batch)
+    config.input.add(name="a", data_type=mc.TYPE_FP32, dims=[-1, 3])
+    config.input.add(name="b", data_type=mc.TYPE_INT64, dims=[2])
+    config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[-1])
+    return Signature.from_config(config)
+
+
+def test_signature_batch_size_and_join_key():
+    size, key = signature().check_inputs({"a": np.zeros((2, 5, 3), np.float32), "b": np.zeros((2, 2), np.int64)})
+    assert size == 2 and key == (("a", (5, 3)), ("b", (2,)))
+
+
+@pytest.mark.parametrize("inputs, words", [
+    ({"a": np.zeros((1, 5, 3), np.float32)}, "missing input"),
+    ({"a": np.zeros((1, 5, 4), np.float32), "b": np.zeros((1, 2), np.int64)}, "expects \\[-1, -1, 3\\]"),
+    ({"a": np.zeros((1, 5, 3), np.float32), "b": np.zeros((2, 2), np.int64)}, "disagree on the batch size"),
+    ({"a": np.zeros((5, 1, 3), np.float32), "b": np.zeros((5, 2), np.int64)}, "exceeds max_batch_size 4"),
+    ({"a": np.zeros((1, 1, 3), np.float64), "b": np.zeros((1, 2), np.int64)}, "FP64.*expects FP32"),
+])
+def test_signature_refusals_name_the_problem(inputs, words):
+    with pytest.raises(InvalidInputError, match=words):
+        signature().check_inputs(inputs)
