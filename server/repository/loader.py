@@ -33,7 +33,7 @@ class LoadedVersion:
 
 
 def scan(root: Path) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "__")))
 
 
 def version_dirs(model_dir: Path) -> dict[int, Path]:

@@ -1,0 +1,1 @@
+"""Ferry clients: a Python client library and the ferry command line (see issue 6)."""
