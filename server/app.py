@@ -10,7 +10,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server
 
-from server.metrics import PrometheusFamilies
+from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
 from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
@@ -37,7 +37,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     """Serve until SIGINT/SIGTERM, then drain: refuse new work, finish admitted work, exit."""
     health = ServerHealth()
     prom = CollectorRegistry()
-    registry = Registry(config.model_repository, PrometheusFamilies(prom), config.default_max_batch_size)
+    registry = Registry(config.model_repository, Histograms(prom), config.default_max_batch_size)
+    prom.register(StatsCollector(registry.stats))
     rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health))])
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)

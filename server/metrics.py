@@ -1,48 +1,40 @@
-"""Every figure Ferry reports, recorded once and read two ways: ModelStatistics and Prometheus.
+"""Every figure Ferry reports, recorded once in ModelStats and read two ways: ModelStatistics and Prometheus.
 
-Counters are cumulative and monotonic (perf_analyzer diffs two snapshots). Prometheus names follow
-Triton's so existing dashboards keep working; histograms are added for what Triton's counters
-cannot answer (p99 across replicas, formed batch sizes).
+Counters are cumulative and monotonic (perf_analyzer diffs two snapshots). The Prometheus page is
+rendered from the same ModelStats at scrape time, so the two views cannot disagree. Names follow
+Triton's (`nv_inference_*`, no `_total` suffix, as Triton exposes them) so existing dashboards keep
+working; `ferry_*` histograms add what Triton's counters cannot answer: p99 across replicas and the
+sizes of the batches actually formed.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS_US = (100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000, 5_000_000)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+_LABELS = ("model", "version")
 
 
-class PrometheusFamilies:
-    """The metric families of one server, registered on its own registry (no global state)."""
+class Histograms:
+    """The histogram families of one server, on its own registry (no global state)."""
 
     def __init__(self, registry: CollectorRegistry):
-        labels = ("model", "version")
-
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=registry)
-
         def histogram(name, doc, buckets=_LATENCY_BUCKETS_US):
-            return Histogram(name, doc, labels, buckets=buckets, registry=registry)
+            return Histogram(name, doc, _LABELS, buckets=buckets, registry=registry)
 
-        self.success = counter("nv_inference_request_success", "Successful inference requests")
-        self.failure = counter("nv_inference_request_failure", "Failed inference requests")
-        self.inferences = counter("nv_inference_count", "Inferences performed (batch rows)")
-        self.executions = counter("nv_inference_exec_count", "Model executions (batches)")
-        self.request_us = counter("nv_inference_request_duration_us", "Cumulative end-to-end request time")
-        self.queue_us = counter("nv_inference_queue_duration_us", "Cumulative queue time")
-        self.input_us = counter("nv_inference_compute_input_duration_us", "Cumulative input preparation time")
-        self.infer_us = counter("nv_inference_compute_infer_duration_us", "Cumulative model execution time")
-        self.output_us = counter("nv_inference_compute_output_duration_us", "Cumulative output extraction time")
-        self.pending = Gauge("nv_inference_pending_request_count", "Requests queued, not yet executing", labels, registry=registry)
         self.batch_size = histogram("ferry_batch_size", "Rows per executed batch", _BATCH_BUCKETS)
-        self.queue_hist = histogram("ferry_queue_duration_us", "Time from enqueue to dispatch")
-        self.compute_hist = histogram("ferry_compute_duration_us", "Batch compute time (input + infer + output)")
-        self.request_hist = histogram("ferry_request_duration_us", "End-to-end request time in the server")
+        self.queue_us = histogram("ferry_queue_duration_us", "Time from enqueue to dispatch, per request")
+        self.compute_us = histogram("ferry_compute_duration_us", "Batch compute time (input + infer + output)")
+        self.request_us = histogram("ferry_request_duration_us", "End-to-end time in the server, per successful request")
 
 
 @dataclass(slots=True)
@@ -65,24 +57,20 @@ class BatchTimes:
 class ModelStats:
     """Figures of one model version. Written from the event loop, read by RPCs and scrapes."""
 
-    def __init__(self, model: str, version: int, families: PrometheusFamilies | None):
+    def __init__(self, model: str, version: int, histograms: Histograms | None = None):
         self.model, self.version = model, version
         self.success, self.fail, self.queue = Duration(), Duration(), Duration()
         self.compute_input, self.compute_infer, self.compute_output = Duration(), Duration(), Duration()
         self.inference_count = self.execution_count = self.last_inference_ms = 0
+        self.failures: Counter[str] = Counter()  # by reason: REJECTED, BACKEND, CANCELED
+        self.deadline_misses = self.pending = self.window_ns = 0
         self.batches: dict[int, BatchTimes] = {}
         self._lock = threading.Lock()  # the metrics HTTP thread reads while the loop writes
-        self._labels = None
-        self._children: dict = {}
-        if families is not None:
-            self._families = families
-            self._labels = {"model": model, "version": str(version)}
-
-    def _prom(self, name: str):
-        child = self._children.get(name)
-        if child is None:
-            child = self._children[name] = getattr(self._families, name).labels(**self._labels)
-        return child
+        self._hist = None
+        if histograms is not None:
+            labels = {"model": model, "version": str(version)}
+            self._hist = {name: getattr(histograms, name).labels(**labels)
+                          for name in ("batch_size", "queue_us", "compute_us", "request_us")}
 
     def record_batch(self, rows: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
         with self._lock:
@@ -96,49 +84,86 @@ class ModelStats:
             self.compute_input.add(input_ns * requests, requests)
             self.compute_infer.add(infer_ns * requests, requests)
             self.compute_output.add(output_ns * requests, requests)
-        if self._labels:
-            self._prom("executions").inc()
-            self._prom("inferences").inc(rows)
-            self._prom("batch_size").observe(rows)
-            self._prom("compute_hist").observe((input_ns + infer_ns + output_ns) / 1000)
-            self._prom("input_us").inc(input_ns * requests / 1000)
-            self._prom("infer_us").inc(infer_ns * requests / 1000)
-            self._prom("output_us").inc(output_ns * requests / 1000)
+        if self._hist:
+            self._hist["batch_size"].observe(rows)
+            self._hist["compute_us"].observe((input_ns + infer_ns + output_ns) / 1000)
 
     def record_queued(self, queue_ns: int) -> None:
         with self._lock:
             self.queue.add(queue_ns)
-        if self._labels:
-            self._prom("queue_us").inc(queue_ns / 1000)
-            self._prom("queue_hist").observe(queue_ns / 1000)
+        if self._hist:
+            self._hist["queue_us"].observe(queue_ns / 1000)
 
-    def record_done(self, total_ns: int, ok: bool) -> None:
+    def record_done(self, total_ns: int, ok: bool, reason: str = "") -> None:
         with self._lock:
-            (self.success if ok else self.fail).add(total_ns)
-            self.last_inference_ms = int(time.time() * 1000)
-        if self._labels:
-            self._prom("success" if ok else "failure").inc()
             if ok:
-                self._prom("request_us").inc(total_ns / 1000)
-                self._prom("request_hist").observe(total_ns / 1000)
+                self.success.add(total_ns)
+            else:
+                self.fail.add(total_ns)
+                self.failures[reason or "OTHER"] += 1
+            self.last_inference_ms = int(time.time() * 1000)
+        if ok and self._hist:
+            self._hist["request_us"].observe(total_ns / 1000)
 
-    def set_pending(self, count: int) -> None:
-        if self._labels:
-            self._prom("pending").set(count)
+    def record_deadline_miss(self) -> None:
+        with self._lock:
+            self.deadline_misses += 1
+
+    def set_queue(self, pending: int, window_ns: int) -> None:
+        self.pending, self.window_ns = pending, window_ns
 
     def snapshot(self) -> dict:
-        """A consistent copy for the statistics RPC."""
+        """A consistent copy, for the statistics RPC and the Prometheus page."""
         with self._lock:
+            durations = {k: (d.count, d.ns) for k, d in (
+                ("success", self.success), ("fail", self.fail), ("queue", self.queue),
+                ("compute_input", self.compute_input), ("compute_infer", self.compute_infer),
+                ("compute_output", self.compute_output))}
             return {
-                "success": (self.success.count, self.success.ns), "fail": (self.fail.count, self.fail.ns),
-                "queue": (self.queue.count, self.queue.ns),
-                "compute_input": (self.compute_input.count, self.compute_input.ns),
-                "compute_infer": (self.compute_infer.count, self.compute_infer.ns),
-                "compute_output": (self.compute_output.count, self.compute_output.ns),
+                **durations,
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
-                "last_inference": self.last_inference_ms,
+                "last_inference": self.last_inference_ms, "failures": dict(self.failures),
+                "deadline_misses": self.deadline_misses, "pending": self.pending, "window_ns": self.window_ns,
                 "batches": {
                     size: {k: (getattr(t, k).count, getattr(t, k).ns) for k in ("compute_input", "compute_infer", "compute_output")}
                     for size, t in sorted(self.batches.items())
                 },
             }
+
+
+# (name, type, help, value from a snapshot); durations in microseconds as Triton reports them
+_FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
+    ("nv_inference_request_success", "counter", "Successful inference requests", lambda s: s["success"][0]),
+    ("nv_inference_count", "counter", "Inferences performed (batch rows)", lambda s: s["inference_count"]),
+    ("nv_inference_exec_count", "counter", "Model executions (batches)", lambda s: s["execution_count"]),
+    ("nv_inference_request_duration_us", "counter", "Cumulative end-to-end time of successful requests", lambda s: s["success"][1] / 1000),
+    ("nv_inference_queue_duration_us", "counter", "Cumulative queue time", lambda s: s["queue"][1] / 1000),
+    ("nv_inference_compute_input_duration_us", "counter", "Cumulative input preparation time", lambda s: s["compute_input"][1] / 1000),
+    ("nv_inference_compute_infer_duration_us", "counter", "Cumulative model execution time", lambda s: s["compute_infer"][1] / 1000),
+    ("nv_inference_compute_output_duration_us", "counter", "Cumulative output extraction time", lambda s: s["compute_output"][1] / 1000),
+    ("nv_inference_pending_request_count", "gauge", "Requests queued, not yet executing", lambda s: s["pending"]),
+    ("ferry_deadline_misses", "counter", "Requests whose deadline passed while queued (rejected or run late)", lambda s: s["deadline_misses"]),
+    ("ferry_batch_window_ms", "gauge", "Batching window in force (adaptive or fixed)", lambda s: s["window_ns"] / 1e6),
+]
+FAILURE_REASONS = ("REJECTED", "BACKEND", "CANCELED", "OTHER")
+
+
+class StatsCollector(Collector):
+    """Renders every ModelStats on each scrape."""
+
+    def __init__(self, stats: Callable[[], Iterable[ModelStats]]):
+        self._stats = stats
+
+    def collect(self):
+        snapshots = [(s, s.snapshot()) for s in self._stats()]
+        for name, kind, doc, value in _FAMILIES:
+            metric = Metric(name, doc, kind)
+            for stats, snap in snapshots:
+                metric.add_sample(name, {"model": stats.model, "version": str(stats.version)}, value(snap))
+            yield metric
+        failure = Metric("nv_inference_request_failure", "Failed inference requests, by reason", "counter")
+        for stats, snap in snapshots:
+            for reason in FAILURE_REASONS:
+                labels = {"model": stats.model, "version": str(stats.version), "reason": reason}
+                failure.add_sample("nv_inference_request_failure", labels, snap["failures"].get(reason, 0))
+        yield failure

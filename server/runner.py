@@ -12,21 +12,25 @@ import time
 
 import numpy as np
 
-from server.errors import DeadlineExceededError, FerryError, ModelUnavailableError
+from server.errors import DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
 from server.metrics import ModelStats
+from server.ordering import ResponseOrder
 from server.request import Batch, InferRequest
 from server.scheduling.base import Scheduler
 from server.worker import Worker
 
 log = logging.getLogger(__name__)
+_FAR_FUTURE_NS = 10**18
 
 
 class ModelRunner:
-    def __init__(self, name: str, version: int, scheduler: Scheduler, workers: list[Worker], stats: ModelStats):
+    def __init__(self, name: str, version: int, scheduler: Scheduler, workers: list[Worker], stats: ModelStats,
+                 preserve_ordering: bool = False):
         self.name, self.version = name, version
         self.scheduler = scheduler
         self.workers = workers
         self.stats = stats
+        self._order = ResponseOrder() if preserve_ordering else None
         self._idle = list(workers)
         self._running: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
@@ -43,18 +47,23 @@ class ModelRunner:
         request.future = asyncio.get_running_loop().create_future()
         try:
             self.scheduler.submit(request, time.monotonic_ns())
-        except FerryError:
-            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False)
+        except QueueFullError:
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="REJECTED")
             raise
+        if self._order is not None:
+            self._order.admit(request)
         self._wake.set()
         try:
             outputs = await request.future
         except asyncio.CancelledError:
-            self.scheduler.cancel(request)
-            self._wake.set()
+            if self.scheduler.cancel(request):
+                self._wake.set()
+            self._finish(request, lambda: None)  # never blocks later answers behind a vanished caller
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="CANCELED")
             raise
-        except FerryError:
-            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False)
+        except FerryError as exc:
+            reason = "BACKEND" if not isinstance(exc, DeadlineExceededError) else "REJECTED"
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason=reason)
             raise
         self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return outputs
@@ -63,18 +72,15 @@ class ModelRunner:
         loop = asyncio.get_running_loop()
         while self._accepting or len(self.scheduler) or len(self._idle) < len(self.workers):
             now = time.monotonic_ns()
-            for request in self.scheduler.expire(now):
-                _fail(request, DeadlineExceededError(
-                    f"request to model '{self.name}' waited {(now - request.enqueue_ns) / 1e6:.1f} ms in the queue "
-                    "and its deadline passed before it could run"))
-            # Draining: no one else is coming, so every batching window counts as closed.
-            cut_at = now if self._accepting else now + 10**18
+            self._expire(now)
+            # Draining: nobody else is coming, so every batching window counts as closed.
+            cut_at = now if self._accepting else _FAR_FUTURE_NS
             while self._idle:
                 batch = self.scheduler.next_batch(cut_at)
                 if batch is None:
                     break
                 self._dispatch(batch, now)
-            self.stats.set_pending(len(self.scheduler))
+            self.stats.set_queue(len(self.scheduler), self.scheduler.window_ns())
             self._wake.clear()
             wake_ns = self.scheduler.next_event_ns(now)
             timer = None
@@ -84,10 +90,20 @@ class ModelRunner:
             if timer is not None:
                 timer.cancel()
 
+    def _expire(self, now: int) -> None:
+        for request in self.scheduler.expire(now):
+            self.stats.record_deadline_miss()
+            waited_ms = (now - request.enqueue_ns) / 1e6
+            self._fail(request, DeadlineExceededError(
+                f"request to model '{self.name}' waited {waited_ms:.1f} ms in the queue and its deadline "
+                "passed before it could run"))
+
     def _dispatch(self, batch: Batch, now: int) -> None:
         worker = self._idle.pop()
         for request in batch.requests:
             self.stats.record_queued(now - request.enqueue_ns)
+            if request.expired(now):  # DELAY policy: it runs, but late
+                self.stats.record_deadline_miss()
         task = asyncio.get_running_loop().create_task(self._run(worker, batch))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -99,16 +115,25 @@ class ModelRunner:
         except FerryError as exc:
             log.warning("model '%s' batch of %d failed: %s", self.name, batch.size, exc.message)
             for request in batch.requests:
-                _fail(request, exc)
+                self._fail(request, exc)
         else:
+            done = time.monotonic_ns()
             self.stats.record_batch(batch.size, len(batch.requests), result.input_ns, result.infer_ns, result.output_ns)
-            self.scheduler.complete(batch, time.monotonic_ns() - started, time.monotonic_ns())
+            self.scheduler.complete(batch, done - started, done)
             for request, outputs in zip(batch.requests, result.outputs):
-                if not request.future.done():
-                    request.future.set_result(outputs)
+                self._finish(request, _setter(request, outputs))
         finally:
             self._idle.append(worker)
             self._wake.set()
+
+    def _fail(self, request: InferRequest, error: FerryError) -> None:
+        self._finish(request, _setter(request, error=error))
+
+    def _finish(self, request: InferRequest, settle) -> None:
+        if self._order is None:
+            settle()
+        else:
+            self._order.finish(request, settle)
 
     async def close(self, grace_s: float) -> None:
         """Stop admitting, let queued and running batches finish within the grace period, release workers."""
@@ -123,6 +148,13 @@ class ModelRunner:
             await asyncio.to_thread(worker.close)
 
 
-def _fail(request: InferRequest, error: FerryError) -> None:
-    if not request.future.done():
-        request.future.set_exception(error)
+def _setter(request: InferRequest, outputs=None, error: FerryError | None = None):
+    def settle() -> None:
+        if request.future.done():
+            return
+        if error is not None:
+            request.future.set_exception(error)
+        else:
+            request.future.set_result(outputs)
+
+    return settle

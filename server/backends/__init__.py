@@ -11,11 +11,12 @@ from server.errors import ConfigError
 _BACKENDS = {
     "onnxruntime": "server.backends.onnx_runtime:OnnxRuntimeBackend",
     "pytorch": "server.backends.pytorch:TorchBackend",
+    "python": "server.backends.python_model:PythonBackend",
 }
 # Triton platform names -> backend names, so Triton configs work unchanged.
 _PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch", "pytorch_export": "pytorch"}
 # Which backend a bare model file implies when the config names none.
-_FILE_HINTS = {".onnx": "onnxruntime", ".pt": "pytorch", ".pt2": "pytorch"}
+_FILE_HINTS = {".onnx": "onnxruntime", ".pt": "pytorch", ".pt2": "pytorch", ".py": "python"}
 
 
 def backend_class(name: str):

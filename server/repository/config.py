@@ -86,6 +86,8 @@ def validate(config: mc.ModelConfig, source: str) -> None:
         db = config.dynamic_batching
         if config.max_batch_size == 0:
             fail("dynamic_batching", "needs max_batch_size > 0")
+        if db.latency_target_ms < 0:
+            fail("dynamic_batching.latency_target_ms", f"must be >= 0, got {db.latency_target_ms}")
         for size in db.preferred_batch_size:
             if not 1 <= size <= config.max_batch_size:
                 fail("dynamic_batching.preferred_batch_size", f"has {size}, outside 1..max_batch_size ({config.max_batch_size})")

@@ -137,6 +137,7 @@ def build_scheduler(config: mc.ModelConfig) -> DynamicBatcher:
         preferred_batch_sizes=tuple(db.preferred_batch_size),
         max_queue_delay_ns=db.max_queue_delay_microseconds * 1000,
         join=dynamic,
+        latency_target_ns=int(db.latency_target_ms * 1_000_000),
     )
     levels = max(int(db.priority_levels), 1)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from protos import model_config_pb2 as mc
 from server.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelUnavailableError
-from server.metrics import ModelStats, PrometheusFamilies
+from server.metrics import Histograms, ModelStats
 from server.repository import loader
 from server.runner import ModelRunner
 from server.signature import Signature
@@ -36,9 +36,9 @@ class ModelVersion:
 
 
 class Registry:
-    def __init__(self, root: Path, families: PrometheusFamilies | None = None, default_max_batch_size: int = 4):
+    def __init__(self, root: Path, histograms: Histograms | None = None, default_max_batch_size: int = 4):
         self.root = root
-        self.families = families
+        self.histograms = histograms
         self.default_max_batch_size = default_max_batch_size
         self._models: dict[str, dict[int, ModelVersion]] = {}
         self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
@@ -67,9 +67,10 @@ class Registry:
             except ConfigError as exc:
                 mv.state, mv.reason = UNAVAILABLE, exc.message
                 continue
-            stats = ModelStats(name, entry.version, self.families)
+            stats = ModelStats(name, entry.version, self.histograms)
             workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
-            mv.runner = ModelRunner(name, entry.version, scheduler, workers, stats)
+            ordered = entry.config.dynamic_batching.preserve_ordering
+            mv.runner = ModelRunner(name, entry.version, scheduler, workers, stats, preserve_ordering=ordered)
             mv.runner.start()
             mv.state = READY
             log.info("model '%s' version %d is READY (%d instance(s))", name, entry.version, len(workers))
@@ -105,6 +106,9 @@ class Registry:
     def all_versions(self, name: str = "") -> list[ModelVersion]:
         names = [name] if name else sorted(self._models)
         return [mv for n in names for _, mv in sorted(self._models.get(n, {}).items())]
+
+    def stats(self) -> list[ModelStats]:
+        return [mv.runner.stats for mv in self.all_versions() if mv.runner is not None]
 
     def index(self) -> list[tuple[str, str, str, str]]:
         """(name, version, state, reason) for every model found, loaded or not."""

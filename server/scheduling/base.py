@@ -38,6 +38,10 @@ class Scheduler(ABC):
     def complete(self, batch: Batch, exec_ns: int, now_ns: int) -> None:
         """Feedback after a batch ran; adaptive policies learn execution time from it."""
 
+    def window_ns(self) -> int:
+        """The batching window in force, for the metrics page (0 where the policy has none)."""
+        return 0
+
     @abstractmethod
     def __len__(self) -> int:
         """Requests waiting."""

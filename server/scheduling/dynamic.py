@@ -3,8 +3,8 @@
 NOTE: a batch is only cut when an instance is free to run it (the runner calls `next_batch` then),
 so while every instance is busy the queue keeps growing into larger batches. Cut rule, per group of
 joinable requests, most urgent group first: dispatch at once if the group fills `max_batch_size`
-or reaches a preferred size (the largest one it can fill); otherwise wait until the oldest request
-has waited `max_queue_delay`, then dispatch what is there.
+or reaches a preferred size (the largest one it can fill); otherwise wait until the group's window
+closes (a fixed `max_queue_delay`, or the adaptive window of adaptive.py), then dispatch what is there.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from server.request import Batch, InferRequest
+from server.scheduling.adaptive import AdaptiveWindow, FixedWindow
 from server.scheduling.base import Scheduler
 from server.scheduling.queue import Group, RequestQueue
 
@@ -22,6 +23,7 @@ class BatchingSettings:
     preferred_batch_sizes: tuple[int, ...] = ()
     max_queue_delay_ns: int = 0
     join: bool = True  # False: Triton's default scheduler, each request is its own batch
+    latency_target_ns: int = 0  # > 0: adaptive window holding this queue + compute budget
 
 
 class DynamicBatcher(Scheduler):
@@ -29,12 +31,23 @@ class DynamicBatcher(Scheduler):
         self.settings = settings
         self.queue = queue
         self._preferred = frozenset(settings.preferred_batch_sizes)
+        if settings.latency_target_ns:
+            self.window = AdaptiveWindow(settings.latency_target_ns, settings.max_batch_size)
+        else:
+            self.window = FixedWindow(settings.max_queue_delay_ns)
 
     def __len__(self) -> int:
         return len(self.queue)
 
     def submit(self, request: InferRequest, now_ns: int) -> None:
         self.queue.push(request, now_ns)
+        self.window.on_arrival(now_ns)
+
+    def complete(self, batch: Batch, exec_ns: int, now_ns: int) -> None:
+        self.window.on_batch(batch.size, exec_ns)
+
+    def window_ns(self) -> int:
+        return self.window.current_ns
 
     def cancel(self, request: InferRequest) -> bool:
         return self.queue.remove(request)
@@ -52,16 +65,24 @@ class DynamicBatcher(Scheduler):
 
     def next_event_ns(self, now_ns: int) -> int | None:
         # Windows already over are waiting for an instance, whose release wakes the runner anyway.
-        delay = self.delay_ns(now_ns)
-        times = [t for g in self.queue.groups() if (t := g.head().enqueue_ns + delay) > now_ns]
+        times = []
+        if self.settings.join and self.settings.max_batch_size > 0:
+            for group in self.queue.groups():
+                close = self.window.close_ns(group.head().enqueue_ns, self._rows(group), now_ns)
+                if close > now_ns:
+                    times.append(close)
         deadline = self.queue.next_deadline_ns()
         if deadline is not None:
             times.append(deadline)
         return min(times) if times else None
 
-    def delay_ns(self, now_ns: int) -> int:
-        """How long the oldest request of a group may wait for company."""
-        return self.settings.max_queue_delay_ns
+    def _rows(self, group: Group) -> int:
+        rows = 0
+        for request in group:
+            if rows + request.batch_size > self.settings.max_batch_size:
+                break
+            rows += request.batch_size
+        return rows
 
     def _cut(self, group: Group, now_ns: int) -> int:
         """How many requests of the group to dispatch now (0: keep waiting)."""
@@ -78,5 +99,4 @@ class DynamicBatcher(Scheduler):
             return count
         if preferred:
             return preferred
-        waited = now_ns - group.head().enqueue_ns
-        return count if waited >= self.delay_ns(now_ns) else 0
+        return count if now_ns >= self.window.close_ns(group.head().enqueue_ns, rows, now_ns) else 0
