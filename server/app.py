@@ -8,7 +8,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
@@ -36,6 +36,7 @@ class ServerHealth:
 async def run(config: ServerConfig, started: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain: refuse new work, finish admitted work, exit."""
     health = ServerHealth()
+    disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
     registry = Registry(config.model_repository, Histograms(prom), config.default_max_batch_size)
     prom.register(StatsCollector(registry.stats))

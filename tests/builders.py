@@ -96,3 +96,53 @@ output:
   - {name: y, data_type: TYPE_FP32, dims: [4]}
   - {name: total, data_type: TYPE_FP32, dims: [1]}
 """
+
+
+GATED_MODEL = '''
+"""Test model: Y = X. An execution holding a negative value first touches `<gate>.running`, then waits
+until the gate file exists; every execution reports its turn (0, 1, 2, ...)."""
+import itertools, os, threading, time
+import numpy as np
+
+TURN = itertools.count()
+BARRIER = threading.Barrier(int(os.environ.get("FERRY_TEST_BARRIER", "2")), timeout=20)
+
+
+class Model:
+    def initialize(self, args):
+        params = args["config"].get("parameters", {})
+        self.gate = params.get("gate", {}).get("string_value")
+        self.barrier = params.get("barrier", {}).get("string_value") == "1"
+
+    def execute(self, inputs):
+        if self.barrier:
+            BARRIER.wait()  # raises BrokenBarrierError unless two instances run at the same time
+        x = inputs["X"]
+        if self.gate and (x < 0).any():
+            open(self.gate + ".running", "w").close()
+            deadline = time.monotonic() + 30
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.002)
+        turn = np.full((x.shape[0], 1), next(TURN), np.int64)
+        return {"Y": x, "TURN": turn}
+'''
+
+
+def gated_model(repo: Path, name: str, extra_yaml: str = "", gate: Path | None = None, barrier: bool = False,
+                max_batch_size: int = 8) -> Path:
+    """A python-backend model whose executions block until `gate` exists (tests open it when ready)."""
+    folder = repo / name
+    (folder / "1").mkdir(parents=True, exist_ok=True)
+    (folder / "1" / "model.py").write_text(GATED_MODEL)
+    params = {}
+    if gate is not None:
+        params["gate"] = str(gate)
+    if barrier:
+        params["barrier"] = "1"
+    lines = [f"backend: python", f"max_batch_size: {max_batch_size}",
+             "input: [{name: X, data_type: TYPE_FP32, dims: [2]}]",
+             "output: [{name: Y, data_type: TYPE_FP32, dims: [2]}, {name: TURN, data_type: TYPE_INT64, dims: [1]}]"]
+    if params:
+        lines.append("parameters: {" + ", ".join(f"{k}: {{string_value: '{v}'}}" for k, v in params.items()) + "}")
+    (folder / "config.yaml").write_text("\n".join(lines) + "\n" + extra_yaml)
+    return folder

@@ -2,13 +2,15 @@
 
 The file defines `class Model` with `execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]`
 and, optionally, `initialize(self, args: dict)` and `finalize(self)`. `args` holds `config` (the model
-config as a dict), `version_dir`, `device` and `instance` (0-based). Each instance gets its own object.
+config as a dict), `version_dir`, `device` and `instance` (0-based). Each instance gets its own
+`Model` object; the module is imported once per version, so module-level state is shared by them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,18 @@ from server.backends.base import Backend, Device
 from server.errors import ConfigError
 
 _instances = itertools.count()
+_modules: dict[Path, object] = {}
+_modules_lock = threading.Lock()
+
+
+def _import(path: Path, name: str):
+    with _modules_lock:
+        if path not in _modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            _modules[path] = module
+        return _modules[path]
 
 
 class PythonBackend(Backend):
@@ -30,10 +44,7 @@ class PythonBackend(Backend):
         self.instance = next(_instances)
 
     def load(self) -> None:
-        module_name = f"ferry_model_{self.config.name}_{self.model_path.parent.name}_{self.instance}"
-        spec = importlib.util.spec_from_file_location(module_name, self.model_path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = _import(self.model_path.resolve(), f"ferry_model_{self.config.name}_{self.model_path.parent.name}")
         model_class = getattr(module, "Model", None)
         if model_class is None:
             raise ConfigError(f"{self.model_path}: defines no `class Model`")
