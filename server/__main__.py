@@ -20,6 +20,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port; 0 picks one, -1 disables")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit")
     p.add_argument("--default-max-batch-size", type=int, default=4, help="max_batch_size for auto-completed configs")
+    p.add_argument("--max-queued-requests", type=int, default=10_000,
+                   help="per model version: refuse beyond this many queued requests even if max_queue_size is 0")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=16_384, help="gRPC refuses more in-flight calls (0: no limit)")
     p.add_argument("--drain-grace-seconds", type=float, default=30.0, help="how long shutdown waits for admitted work")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key) to serve TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
@@ -39,9 +42,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     config = ServerConfig(
         model_repository=args.model_repository,
-        rpc=RpcOptions(args.host, args.grpc_port, args.max_message_bytes, args.tls_cert, args.tls_key),
+        rpc=RpcOptions(args.host, args.grpc_port, args.max_message_bytes, args.max_concurrent_rpcs or None,
+                       args.tls_cert, args.tls_key),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         default_max_batch_size=args.default_max_batch_size,
+        max_queued_requests=args.max_queued_requests,
         drain_grace_s=args.drain_grace_seconds,
     )
     asyncio.run(run(config))

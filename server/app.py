@@ -24,6 +24,7 @@ class ServerConfig:
     rpc: RpcOptions = field(default_factory=RpcOptions)
     metrics_port: int | None = 8002  # None: no metrics endpoint
     default_max_batch_size: int = 4
+    max_queued_requests: int = 10_000  # per model version, whatever its queue policy says
     drain_grace_s: float = 30.0
 
 
@@ -38,7 +39,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     health = ServerHealth()
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
-    registry = Registry(config.model_repository, Histograms(prom), config.default_max_batch_size)
+    registry = Registry(config.model_repository, Histograms(prom), config.default_max_batch_size,
+                        config.max_queued_requests)
     prom.register(StatsCollector(registry.stats))
     rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health))])
     await rpc.start()

@@ -129,7 +129,7 @@ def _devices(config: mc.ModelConfig, backend_cls) -> list[Device]:
     return devices
 
 
-def build_scheduler(config: mc.ModelConfig) -> DynamicBatcher:
+def build_scheduler(config: mc.ModelConfig, max_queued: int = 0) -> DynamicBatcher:
     db = config.dynamic_batching
     dynamic = config.HasField("dynamic_batching")
     settings = BatchingSettings(
@@ -150,4 +150,4 @@ def build_scheduler(config: mc.ModelConfig) -> DynamicBatcher:
     default_level = int(db.default_priority_level) or 1
     if default_level > levels:
         raise ConfigError(f"{config.name}: dynamic_batching.default_priority_level {default_level} exceeds priority_levels {levels}")
-    return DynamicBatcher(settings, RequestQueue(policies, default_level))
+    return DynamicBatcher(settings, RequestQueue(policies, default_level, max_queued))

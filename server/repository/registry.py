@@ -36,10 +36,12 @@ class ModelVersion:
 
 
 class Registry:
-    def __init__(self, root: Path, histograms: Histograms | None = None, default_max_batch_size: int = 4):
+    def __init__(self, root: Path, histograms: Histograms | None = None, default_max_batch_size: int = 4,
+                 max_queued: int = 0):
         self.root = root
         self.histograms = histograms
         self.default_max_batch_size = default_max_batch_size
+        self.max_queued = max_queued
         self._models: dict[str, dict[int, ModelVersion]] = {}
         self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
 
@@ -63,7 +65,7 @@ class Registry:
                 mv.state, mv.reason = UNAVAILABLE, entry.error
                 continue
             try:
-                scheduler = loader.build_scheduler(entry.config)
+                scheduler = loader.build_scheduler(entry.config, self.max_queued)
             except ConfigError as exc:
                 mv.state, mv.reason = UNAVAILABLE, exc.message
                 continue

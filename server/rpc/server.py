@@ -22,6 +22,7 @@ class RpcOptions:
     host: str = "127.0.0.1"
     port: int = 8001
     max_message_bytes: int = MAX_MESSAGE_BYTES
+    max_concurrent_rpcs: int | None = 16_384  # beyond this gRPC answers RESOURCE_EXHAUSTED itself
     tls_cert: Path | None = None
     tls_key: Path | None = None
 
@@ -30,10 +31,10 @@ class RpcServer:
     def __init__(self, options: RpcOptions, servicers: list[tuple[object, callable, str]]):
         """`servicers`: (servicer, add_to_server function, full service name) for every service."""
         limit = options.max_message_bytes
-        self.server = grpc.aio.server(options=[
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-        ])
+        self.server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+        )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [health.SERVICE_NAME, reflection.SERVICE_NAME]

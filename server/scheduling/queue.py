@@ -61,11 +61,12 @@ class Group:
 
 
 class RequestQueue:
-    def __init__(self, policies: list[QueuePolicy], default_level: int = 1):
+    def __init__(self, policies: list[QueuePolicy], default_level: int = 1, max_total: int = 0):
         if not 1 <= default_level <= len(policies):
             raise ValueError(f"default priority level {default_level} outside 1..{len(policies)}")
         self.policies = policies
         self.default_level = default_level
+        self.max_total = max_total  # server-wide backstop so memory stays bounded when policies say "unbounded"
         self._groups: dict[tuple, Group] = {}
         self._per_level = [0] * (len(policies) + 1)
         self._deadlines: list[tuple[int, int, InferRequest]] = []
@@ -91,6 +92,11 @@ class RequestQueue:
             raise QueueFullError(
                 f"model '{request.model_name}': request queue for priority level {level} is full "
                 f"(max_queue_size {limit}); retry later or raise max_queue_size"
+            )
+        if self.max_total and len(self) >= self.max_total:
+            raise QueueFullError(
+                f"model '{request.model_name}': request queue is full ({self.max_total} requests pending, the "
+                "server's --max-queued-requests); retry later"
             )
         group = self._groups.get(request.batch_key)
         if group is None:

@@ -126,3 +126,13 @@ def test_cancelled_request_leaves_the_queue():
     gone, stays = submit_all(b, [req(), req()])
     assert b.cancel(gone) and not b.cancel(gone)
     assert b.next_batch(10 * MS).requests == [stays]
+
+
+def test_server_backstop_bounds_an_unbounded_policy():
+    b = DynamicBatcher(BatchingSettings(8), RequestQueue([QueuePolicy(max_queue_size=0)], 1, max_total=2))
+    b.submit(req(), 0)
+    b.submit(req(), 0)
+    with pytest.raises(QueueFullError, match="--max-queued-requests"):
+        b.submit(req(), 0)
+    b.next_batch(0)
+    b.submit(req(), 0)  # room again once the queue drains
