@@ -4,16 +4,17 @@
 "which delay?": given a latency target for queue + compute, it learns the model's execution time
 per batch size and the arrival rate online, and waits only while waiting can still pay.
 
-NOTE (the adaptive rule). For a group whose oldest request was queued at t0 with n rows waiting:
-  expected rows  m = min(max_batch, n + rate * (t0 + target - now))
-  latest start   s = t0 + target * 0.8 - exec(m)   (20% of the target is kept for transport and jitter)
-  dispatch now   if rate * (s - now) < 1: no further request is expected before the oldest must start,
-                 so waiting would be in vain (sparse traffic);
-  otherwise      close the window at min(s, now + (max_batch - n) / rate): the moment the batch is
-                 expected to be full, or the last moment the oldest request can still meet the target.
-A full batch leaves at once regardless (the batcher's rule), so under a burst the window never holds
-anything back. exec(m) comes from an exponentially weighted mean per executed batch size,
-interpolated between sizes seen and scaled linearly beyond them.
+NOTE (the adaptive rule). An instance is free and a group of n rows waits, its oldest queued at t0.
+Waiting w more nanoseconds is expected to bring rate * w more rows (up to max_batch_size), so the
+instance would serve  rows(w) / (w + exec(rows(w)))  rows per nanosecond over that stretch. The window
+closes at the w that maximises this, among w = 0 and fractions of the time the batch needs to fill,
+keeping  (now - t0) + w + exec(rows(w)) <= 80% of the target  (the rest is left for transport and
+jitter). Consequences: under a burst the batch fills almost at once, so the window is short (and a
+full batch leaves immediately anyway); when traffic thins, waiting stops paying (rate * exec(n) < n)
+and the batch leaves at once instead of waiting in vain; a closed loop of k clients never waits for
+arrivals that only its own answers would trigger. exec() is an exponentially weighted mean per
+executed batch size, interpolated between sizes seen and scaled linearly beyond them; with no
+measurement yet the window is 0, so the model is measured before anything is held back.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import bisect
 
 _ALPHA = 0.2  # weight of the newest observation in the moving averages
 _TARGET_SHARE = 0.8
+_WAIT_SHARES = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # candidate waits, as shares of the time to fill the batch
 
 
 class FixedWindow:
@@ -99,12 +101,23 @@ class AdaptiveWindow:
 
     def close_ns(self, head_enqueue_ns: int, rows: int, now_ns: int) -> int:
         rate = self.rate_per_ns(now_ns)
-        deadline = head_enqueue_ns + self.target_ns
-        expected = min(self.max_batch_size, rows + rate * max(0, deadline - now_ns))
-        latest_start = head_enqueue_ns + int(self.target_ns * _TARGET_SHARE - self.exec.estimate(expected))
-        if rate * (latest_start - now_ns) < 1:
-            close = now_ns
-        else:
-            close = min(latest_start, now_ns + int((self.max_batch_size - rows) / rate))
+        budget = head_enqueue_ns + self.target_ns * _TARGET_SHARE - now_ns
+        best_w, best_score = 0.0, self._score(rows, 0.0)
+        if rate > 0 and rows < self.max_batch_size:
+            fill = (self.max_batch_size - rows) / rate
+            for share in _WAIT_SHARES:
+                w = fill * share
+                expected = min(self.max_batch_size, rows + rate * w)
+                if w + self.exec.estimate(expected) > budget:
+                    break
+                score = self._score(expected, w)
+                if score > best_score:
+                    best_w, best_score = w, score
+        close = now_ns + int(best_w)
         self.current_ns = max(0, close - head_enqueue_ns)
         return close
+
+    def _score(self, rows: float, wait_ns: float) -> float:
+        """Rows served per nanosecond if the batch leaves after `wait_ns`."""
+        spent = wait_ns + self.exec.estimate(rows)
+        return rows / spent if spent > 0 else float("inf")
