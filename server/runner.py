@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from server.errors import DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
+from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
 from server.metrics import ModelStats
 from server.ordering import ResponseOrder
 from server.request import Batch, InferRequest
@@ -112,8 +112,12 @@ class ModelRunner:
         started = time.monotonic_ns()
         try:
             result = await worker.run(batch)
-        except FerryError as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever went wrong fails this batch only
+            if not isinstance(exc, FerryError):
+                log.exception("model '%s': unexpected error running a batch", self.name)
+                exc = BackendError(f"model '{self.name}': {type(exc).__name__}: {exc}")
             log.warning("model '%s' batch of %d failed: %s", self.name, batch.size, exc.message)
+            self.scheduler.complete(batch, None, time.monotonic_ns())
             for request in batch.requests:
                 self._fail(request, exc)
         else:

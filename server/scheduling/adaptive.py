@@ -4,17 +4,23 @@
 "which delay?": given a latency target for queue + compute, it learns the model's execution time
 per batch size and the arrival rate online, and waits only while waiting can still pay.
 
-NOTE (the adaptive rule). An instance is free and a group of n rows waits, its oldest queued at t0.
-Waiting w more nanoseconds is expected to bring rate * w more rows (up to max_batch_size), so the
-instance would serve  rows(w) / (w + exec(rows(w)))  rows per nanosecond over that stretch. The window
-closes at the w that maximises this, among w = 0 and fractions of the time the batch needs to fill,
-keeping  (now - t0) + w + exec(rows(w)) <= 80% of the target  (the rest is left for transport and
-jitter). Consequences: under a burst the batch fills almost at once, so the window is short (and a
-full batch leaves immediately anyway); when traffic thins, waiting stops paying (rate * exec(n) < n)
-and the batch leaves at once instead of waiting in vain; a closed loop of k clients never waits for
-arrivals that only its own answers would trigger. exec() is an exponentially weighted mean per
-executed batch size, interpolated between sizes seen and scaled linearly beyond them; with no
-measurement yet the window is 0, so the model is measured before anything is held back.
+NOTE (the adaptive rule). An instance is free; a group of n rows waits, its oldest queued at t0.
+  * Who else can come? Ferry tracks the requests in the system (queued + executing) and their recent
+    peak, the apparent concurrency C (it rises at once and decays slowly). If everyone recently seen
+    is already waiting here (C - in_system < 1), nobody else is coming soon: dispatch now. This is
+    what keeps a closed loop of k clients from waiting for arrivals that only its own answers trigger.
+  * Otherwise e = min(C - in_system, max_batch_size - n) more rows are expected, at the observed
+    arrival rate r, within w = e / r. Is waiting worth it? The instance's load at that batch size is
+    R * exec(n + e) / (n + e), with R the arrival rate sustained over the last ~100 arrivals. Below 1/2 the instance has slack (the server's bottleneck is elsewhere,
+    e.g. per-request work on the CPU), so a larger batch costs nothing and saves per-batch work: wait.
+    At 1/2 or more the instance is the bottleneck and idling it costs throughput: wait only if it
+    serves more rows per unit time, (n + e) / (w + exec(n + e)) > n / exec(n), as on a GPU whose
+    batch costs the same at any size.
+  * Never wait past  t0 + 0.8 * target - exec(n + e): the oldest request must still meet the target
+    (20% of it is left for transport and jitter). Sparse traffic (r * remaining budget < 1) or no
+    execution measurement yet: dispatch now, so nothing waits in vain and the model is measured first.
+A full batch always leaves at once (the batcher's rule). exec() is an exponentially weighted mean per
+executed batch size, interpolated between sizes seen and scaled linearly beyond them.
 """
 
 from __future__ import annotations
@@ -22,18 +28,20 @@ from __future__ import annotations
 import bisect
 
 _ALPHA = 0.2  # weight of the newest observation in the moving averages
+_SLOW_ALPHA = 0.01
 _TARGET_SHARE = 0.8
-_WAIT_SHARES = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)  # candidate waits, as shares of the time to fill the batch
+_BOTTLENECK_LOAD = 0.5  # instance load above which idling it costs throughput
+_PEAK_DECAY = 0.01  # per arrival: how fast the apparent concurrency forgets an old peak
 
 
 class FixedWindow:
     def __init__(self, delay_ns: int):
         self.delay_ns = delay_ns
 
-    def close_ns(self, head_enqueue_ns: int, rows: int, now_ns: int) -> int:
+    def close_ns(self, head_enqueue_ns: int, rows: int, now_ns: int, in_system: int) -> int:
         return head_enqueue_ns + self.delay_ns
 
-    def on_arrival(self, now_ns: int) -> None:
+    def on_arrival(self, now_ns: int, in_system: int) -> None:
         pass
 
     def on_batch(self, rows: int, exec_ns: int) -> None:
@@ -58,6 +66,10 @@ class ExecTimes:
         else:
             self._ns[rows] += _ALPHA * (exec_ns - self._ns[rows])
 
+    @property
+    def known(self) -> bool:
+        return bool(self._sizes)
+
     def estimate(self, rows: float) -> float:
         if not self._sizes:
             return 0.0
@@ -80,14 +92,18 @@ class AdaptiveWindow:
         self.max_batch_size = max_batch_size
         self.exec = ExecTimes()
         self._gap_ns: float | None = None  # moving average of the time between arrivals
+        self._long_gap_ns: float | None = None  # the same over ~100 arrivals: the sustained load
         self._last_arrival_ns: int | None = None
+        self.concurrency = 0.0  # apparent concurrency: recent peak of requests in the system
         self.current_ns = 0  # the last window chosen, for the metrics page
 
-    def on_arrival(self, now_ns: int) -> None:
+    def on_arrival(self, now_ns: int, in_system: int) -> None:
         if self._last_arrival_ns is not None:
             gap = now_ns - self._last_arrival_ns
             self._gap_ns = gap if self._gap_ns is None else self._gap_ns + _ALPHA * (gap - self._gap_ns)
+            self._long_gap_ns = gap if self._long_gap_ns is None else self._long_gap_ns + _SLOW_ALPHA * (gap - self._long_gap_ns)
         self._last_arrival_ns = now_ns
+        self.concurrency = max(float(in_system), self.concurrency * (1 - _PEAK_DECAY))
 
     def on_batch(self, rows: int, exec_ns: int) -> None:
         self.exec.observe(rows, exec_ns)
@@ -99,25 +115,22 @@ class AdaptiveWindow:
         gap = max(self._gap_ns, now_ns - self._last_arrival_ns, 1.0)
         return 1.0 / gap
 
-    def close_ns(self, head_enqueue_ns: int, rows: int, now_ns: int) -> int:
+    def close_ns(self, head_enqueue_ns: int, rows: int, now_ns: int, in_system: int) -> int:
+        close = now_ns
+        expected = min(self.concurrency - in_system, self.max_batch_size - rows)
         rate = self.rate_per_ns(now_ns)
-        budget = head_enqueue_ns + self.target_ns * _TARGET_SHARE - now_ns
-        best_w, best_score = 0.0, self._score(rows, 0.0)
-        if rate > 0 and rows < self.max_batch_size:
-            fill = (self.max_batch_size - rows) / rate
-            for share in _WAIT_SHARES:
-                w = fill * share
-                expected = min(self.max_batch_size, rows + rate * w)
-                if w + self.exec.estimate(expected) > budget:
-                    break
-                score = self._score(expected, w)
-                if score > best_score:
-                    best_w, best_score = w, score
-        close = now_ns + int(best_w)
+        if expected >= 1 and rate > 0 and self.exec.known and self._worth_waiting(rows, expected, rate):
+            latest_start = head_enqueue_ns + self.target_ns * _TARGET_SHARE - self.exec.estimate(rows + expected)
+            if rate * (latest_start - now_ns) >= 1:
+                close = int(min(latest_start, now_ns + expected / rate))
         self.current_ns = max(0, close - head_enqueue_ns)
-        return close
+        return max(close, now_ns)
 
-    def _score(self, rows: float, wait_ns: float) -> float:
-        """Rows served per nanosecond if the batch leaves after `wait_ns`."""
-        spent = wait_ns + self.exec.estimate(rows)
-        return rows / spent if spent > 0 else float("inf")
+    def _worth_waiting(self, rows: int, expected: float, rate: float) -> bool:
+        grown = rows + expected
+        exec_grown = self.exec.estimate(grown)
+        sustained_rate = 1.0 / max(self._long_gap_ns, 1.0)  # a lull right now does not make the instance idle
+        if sustained_rate * exec_grown / grown < _BOTTLENECK_LOAD:
+            return True  # the instance has slack: a bigger batch is free
+        wait = expected / rate
+        return grown / (wait + exec_grown) > rows / max(self.exec.estimate(rows), 1.0)

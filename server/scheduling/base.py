@@ -35,8 +35,8 @@ class Scheduler(ABC):
     def cancel(self, request: InferRequest) -> bool:
         """Drop a queued request (client gone); False if it already left the queue."""
 
-    def complete(self, batch: Batch, exec_ns: int, now_ns: int) -> None:
-        """Feedback after a batch ran; adaptive policies learn execution time from it."""
+    def complete(self, batch: Batch, exec_ns: int | None, now_ns: int) -> None:
+        """A dispatched batch finished (exec_ns None: it failed); adaptive policies learn from it."""
 
     def window_ns(self) -> int:
         """The batching window in force, for the metrics page (0 where the policy has none)."""

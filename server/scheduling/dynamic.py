@@ -31,6 +31,7 @@ class DynamicBatcher(Scheduler):
         self.settings = settings
         self.queue = queue
         self._preferred = frozenset(settings.preferred_batch_sizes)
+        self._executing = 0  # requests dispatched and not yet completed
         if settings.latency_target_ns:
             self.window = AdaptiveWindow(settings.latency_target_ns, settings.max_batch_size)
         else:
@@ -41,10 +42,16 @@ class DynamicBatcher(Scheduler):
 
     def submit(self, request: InferRequest, now_ns: int) -> None:
         self.queue.push(request, now_ns)
-        self.window.on_arrival(now_ns)
+        self.window.on_arrival(now_ns, self._in_system)
 
-    def complete(self, batch: Batch, exec_ns: int, now_ns: int) -> None:
-        self.window.on_batch(batch.size, exec_ns)
+    def complete(self, batch: Batch, exec_ns: int | None, now_ns: int) -> None:
+        self._executing -= len(batch.requests)
+        if exec_ns is not None:
+            self.window.on_batch(batch.size, exec_ns)
+
+    @property
+    def _in_system(self) -> int:
+        return len(self.queue) + self._executing
 
     def window_ns(self) -> int:
         return self.window.current_ns
@@ -60,6 +67,7 @@ class DynamicBatcher(Scheduler):
         for group in self.queue.groups():
             count = self._cut(group, now_ns) if batching and self.settings.join else 1
             if count:
+                self._executing += count
                 return Batch(self.queue.take(group, count), batched=batching)
         return None
 
@@ -68,7 +76,7 @@ class DynamicBatcher(Scheduler):
         times = []
         if self.settings.join and self.settings.max_batch_size > 0:
             for group in self.queue.groups():
-                close = self.window.close_ns(group.head().enqueue_ns, self._rows(group), now_ns)
+                close = self.window.close_ns(group.head().enqueue_ns, self._rows(group), now_ns, self._in_system)
                 if close > now_ns:
                     times.append(close)
         deadline = self.queue.next_deadline_ns()
@@ -99,4 +107,4 @@ class DynamicBatcher(Scheduler):
             return count
         if preferred:
             return preferred
-        return count if now_ns >= self.window.close_ns(group.head().enqueue_ns, rows, now_ns) else 0
+        return count if now_ns >= self.window.close_ns(group.head().enqueue_ns, rows, now_ns, self._in_system) else 0

@@ -8,17 +8,17 @@ MS = 1_000_000
 US = 1_000
 
 
-def window(gap_ns: int, exec_1_ms: float, exec_32_ms: float, target_ms: float = 50, rows: int = 1):
-    """The window chosen after 50 arrivals `gap_ns` apart, for a model with the given execution times."""
+def window(gap_ns: int, clients: int, waiting: int, target_ms: float = 50, exec_1_ms=1.0, exec_32_ms=1.2):
+    """The window chosen for `waiting` queued rows after arrivals `gap_ns` apart from `clients` clients."""
     w = AdaptiveWindow(int(target_ms * MS), 32)
     w.on_batch(1, int(exec_1_ms * MS))
     w.on_batch(32, int(exec_32_ms * MS))
     now = 0
-    for _ in range(50):
-        w.on_arrival(now)
+    for i in range(50):
+        w.on_arrival(now, in_system=min(clients, i + 1))
         now += gap_ns
     now -= gap_ns
-    return w.close_ns(now, rows, now) - now
+    return w.close_ns(now, waiting, now, in_system=waiting) - now
 
 
 def test_exec_times_interpolate_and_extrapolate():
@@ -30,36 +30,43 @@ def test_exec_times_interpolate_and_extrapolate():
     assert 1000 < e.estimate(1) < 2000  # a moving average, not the last value
 
 
-def test_burst_on_a_flat_cost_model_waits_only_until_the_batch_fills():
-    wait = window(gap_ns=10 * US, exec_1_ms=1, exec_32_ms=1.2)  # 31 more rows arrive in 0.31 ms
+def test_burst_waits_only_until_the_expected_rows_arrive():
+    wait = window(gap_ns=10 * US, clients=32, waiting=1)  # 31 more rows expected within 0.31 ms
     assert 0 < wait <= 0.31 * MS
 
 
-def test_window_grows_as_traffic_thins_while_waiting_still_pays():
-    fast = window(gap_ns=10 * US, exec_1_ms=1, exec_32_ms=1.2)
-    slower = window(gap_ns=100 * US, exec_1_ms=1, exec_32_ms=1.2)
-    assert 0 < fast < slower <= 3.1 * MS
+def test_window_grows_as_traffic_thins():
+    fast = window(gap_ns=10 * US, clients=32, waiting=1)
+    slower = window(gap_ns=200 * US, clients=32, waiting=1)
+    assert 0 < fast < slower <= 0.8 * 50 * MS
 
 
 def test_sparse_traffic_does_not_wait_in_vain():
-    assert window(gap_ns=50 * MS, exec_1_ms=1, exec_32_ms=1.2) == 0
+    assert window(gap_ns=50 * MS, clients=32, waiting=1) == 0
 
 
-def test_cheap_rows_dispatch_at_once_so_a_closed_loop_is_not_held():
-    # one client in a closed loop: its next request only comes after this answer, so waiting never pays
-    assert window(gap_ns=500 * US, exec_1_ms=0.1, exec_32_ms=3.2) == 0
+def test_closed_loop_whose_clients_all_wait_is_not_held():
+    # one client, or every recent client already queued: nobody else can arrive before we answer
+    assert window(gap_ns=500 * US, clients=1, waiting=1) == 0
+    assert window(gap_ns=50 * US, clients=8, waiting=8) == 0
+    assert window(gap_ns=50 * US, clients=8, waiting=4) > 0  # four answers are on their way back
 
 
 def test_the_oldest_request_keeps_its_latency_budget():
-    # filling the batch would take 15.5 ms; with a 20 ms target only 16 ms minus execution may be spent
-    unbounded = window(gap_ns=500 * US, exec_1_ms=1, exec_32_ms=1.2, target_ms=1000)
-    bounded = window(gap_ns=500 * US, exec_1_ms=1, exec_32_ms=1.2, target_ms=20)
-    assert unbounded >= 15.5 * MS
-    assert 0 < bounded < 15.5 * MS and bounded + 1.2 * MS <= 0.8 * 20 * MS
+    # 31 more rows at one per ms would take 31 ms; with a 20 ms target only 16 ms minus execution remain
+    bounded = window(gap_ns=1 * MS, clients=32, waiting=1, target_ms=20)
+    assert 0 < bounded and bounded + 1.2 * MS <= 0.8 * 20 * MS
+    assert window(gap_ns=1 * MS, clients=32, waiting=1, target_ms=1000) >= 31 * MS
 
 
 def test_no_measurement_yet_means_no_waiting():
     w = AdaptiveWindow(50 * MS, 32)
-    for t in range(0, 50 * US, US):
-        w.on_arrival(t)
-    assert w.close_ns(50 * US, 1, 50 * US) == 50 * US
+    for i, t in enumerate(range(0, 50 * US, US)):
+        w.on_arrival(t, in_system=i + 1)
+    assert w.close_ns(50 * US, 1, 50 * US, in_system=1) == 50 * US
+
+
+def test_compute_bound_instance_is_not_left_idle_for_a_bigger_batch():
+    # 1.25 ms per row whatever the batch, 0.6 rows per ms arriving: the instance is the bottleneck and
+    # waiting 27 ms for 16 more rows would serve fewer rows per second than running the 16 now
+    assert window(gap_ns=1_667 * US, clients=64, waiting=16, target_ms=500, exec_1_ms=1.25, exec_32_ms=40) == 0

@@ -1,0 +1,179 @@
+"""Dynamic batching benchmark: how close Ferry gets to the raw backend and to the bare gRPC floor.
+
+    python -m bench.dynamic_batching [--duration 2] [--concurrency 1,8,32,64,128]
+
+One run measures, on this machine:
+  * raw ONNX Runtime throughput in-process at batch sizes 1..128 (the limit a server can approach),
+  * the Python gRPC floor (bench/floor_server.py: decode, fixed answer, no scheduling),
+  * Ferry, closed loop with batch-1 requests, under no batching, fixed windows and the adaptive window,
+for a light MLP (server overhead dominates) and a heavy encoder (compute dominates). It prints a table
+and the ratios, and appends both to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+
+from bench import common, models
+from clients.loadgen import closed_loop
+
+BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+MODELS = {
+    # name: (builder, input name, row shape, adaptive latency target ms)
+    "light": (models.light_mlp, "x", (256,), 50),
+    "heavy": (models.heavy_encoder, "x", (32, 512), 500),
+}
+POLICIES = {
+    "none": "",
+    "fixed 0.5ms": "dynamic_batching: {max_queue_delay_microseconds: 500}\n",
+    "fixed 2ms": "dynamic_batching: {max_queue_delay_microseconds: 2000}\n",
+    "fixed 8ms": "dynamic_batching: {max_queue_delay_microseconds: 8000}\n",
+    "adaptive": "dynamic_batching: {latency_target_ms: TARGET}\n",
+}
+
+
+def session(path: Path) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def raw_throughput(path: Path, row_shape: tuple, seconds: float) -> dict[int, float]:
+    """Rows per second of ONNX Runtime alone, per batch size (same session options as the server)."""
+    sess = session(path)
+    rng = np.random.default_rng(0)
+    rates = {}
+    for size in BATCH_SIZES:
+        x = rng.standard_normal((size, *row_shape)).astype(np.float32)
+        sess.run(None, {"x": x})
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            sess.run(None, {"x": x})
+            runs += 1
+        rates[size] = runs * size / (time.perf_counter() - start)
+    return rates
+
+
+def raw_at(rates: dict[int, float], batch: float) -> float:
+    sizes = sorted(rates)
+    return float(np.interp(batch, sizes, [rates[s] for s in sizes]))
+
+
+def build_repository(root: Path) -> None:
+    for family, (builder, _, _, target) in MODELS.items():
+        for policy, text in POLICIES.items():
+            name = model_name(family, policy)
+            builder(root / name / "1" / "model.onnx")
+            (root / name / "config.yaml").write_text(
+                "max_batch_size: 128\ninstance_group: [{count: 1, kind: KIND_CPU}]\n" + text.replace("TARGET", str(target)))
+        builder(root / f"{family}_raw.onnx")
+
+
+def model_name(family: str, policy: str) -> str:
+    return f"{family}_" + policy.replace(" ", "_").replace(".", "p")
+
+
+def drive(address: str, payload: bytes, concurrency: int, duration_s: float):
+    return asyncio.run(closed_loop(address, [payload], concurrency, duration_s=duration_s, warmup=20))
+
+
+def measure_ferry(address: str, concurrencies: list[int], duration_s: float) -> list[dict]:
+    rows = []
+    channel = grpc.insecure_channel(address)
+    rng = np.random.default_rng(1)
+    for family, (_, input_name, row_shape, target) in MODELS.items():
+        x = rng.standard_normal((1, *row_shape)).astype(np.float32)
+        for policy in POLICIES:
+            name = model_name(family, policy)
+            payload = common.infer_payload(name, {input_name: x})
+            for c in concurrencies:
+                before = common.model_counts(channel, name)
+                result = drive(address, payload, c, duration_s)
+                after = common.model_counts(channel, name)
+                executed = max(after[1] - before[1], 1)
+                rows.append({"model": family, "policy": policy + (f" ({target} ms)" if policy == "adaptive" else ""),
+                             **result.summary(), "mean_batch": round((after[0] - before[0]) / executed, 2)})
+                print(rows[-1], flush=True)
+    channel.close()
+    return rows
+
+
+def measure_floor(concurrencies: list[int], duration_s: float) -> dict[int, float]:
+    proc, address = common.start_server([common.sys.executable, "-m", "bench.floor_server"])
+    try:
+        x = np.random.default_rng(1).standard_normal((1, 256)).astype(np.float32)
+        payload = common.infer_payload("floor", {"x": x})
+        return {c: drive(address, payload, c, duration_s).throughput for c in concurrencies}
+    finally:
+        proc.terminate()
+        proc.wait()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=2.0, help="seconds per measured point")
+    parser.add_argument("--concurrency", default="1,8,32,64,128")
+    parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
+    args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        build_repository(root)
+        raw = {family: raw_throughput(root / f"{family}_raw.onnx", spec[2], 0.5) for family, spec in MODELS.items()}
+        print("raw ONNX Runtime rows/s:", {f: {b: round(r) for b, r in v.items()} for f, v in raw.items()}, flush=True)
+        floor = measure_floor(concurrencies, args.duration)
+        print("gRPC floor requests/s:", {c: round(v) for c, v in floor.items()}, flush=True)
+        (root / "light_raw.onnx").unlink()
+        (root / "heavy_raw.onnx").unlink()
+        proc, address = common.start_server(common.ferry_command(root))
+        try:
+            rows = measure_ferry(address, concurrencies, args.duration)
+        finally:
+            proc.terminate()
+            proc.wait()
+    report = render(rows, raw, floor, concurrencies)
+    print(report)
+    if not args.no_record:
+        common.append_results("Dynamic batching (bench/dynamic_batching.py)", report)
+
+
+def render(rows: list[dict], raw: dict, floor: dict, concurrencies: list[int]) -> str:
+    for row in rows:
+        row["vs_raw"] = round(row["throughput_rps"] / raw_at(raw[row["model"]], row["mean_batch"]), 2)
+        if row["model"] == "light":
+            row["vs_floor"] = round(row["throughput_rps"] / floor[row["concurrency"]], 2)
+    columns = ["model", "policy", "concurrency", "throughput_rps", "p50_ms", "p90_ms", "p99_ms", "mean_batch",
+               "vs_raw", "vs_floor", "client_cpu_share", "errors"]
+    parts = [
+        "Raw ONNX Runtime, rows/s by batch size: " + "; ".join(
+            f"{f}: " + ", ".join(f"{b}: {r:.0f}" for b, r in v.items()) for f, v in raw.items()),
+        "Python gRPC floor, requests/s by concurrency: " + ", ".join(f"{c}: {v:.0f}" for c, v in floor.items()),
+        "", common.table(rows, columns), "",
+    ]
+    c = 64 if 64 in concurrencies else concurrencies[-1]
+    for family in ("heavy", "light"):
+        at_c = [r for r in rows if r["model"] == family and r["concurrency"] == c]
+        best_fixed = max((r for r in at_c if r["policy"].startswith("fixed")), key=lambda r: r["throughput_rps"], default=None)
+        adaptive = next(r for r in at_c if r["policy"].startswith("adaptive"))
+        key = "vs_raw" if family == "heavy" else "vs_floor"
+        parts.append(f"- {family}, concurrency {c}: adaptive {key} = {adaptive[key]}, best fixed window "
+                     f"({best_fixed['policy']}) {key} = {best_fixed[key]}")
+    for family in ("heavy", "light"):
+        worse = [r["concurrency"] for r in rows if r["model"] == family and r["policy"].startswith("adaptive")
+                 and r["throughput_rps"] < 0.95 * max(x["throughput_rps"] for x in rows if x["model"] == family
+                                                     and x["policy"].startswith("fixed") and x["concurrency"] == r["concurrency"])]
+        parts.append(f"- {family}: concurrencies where adaptive is >5% below the best fixed window: {worse or 'none'}")
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    main()
