@@ -11,8 +11,11 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     what keeps a closed loop of k clients from waiting for arrivals that only its own answers trigger.
   * Otherwise e = min(C - in_system, max_batch_size - n) more rows are expected, at the observed
     arrival rate r, within w = e / r. Is waiting worth it? The instance's load at that batch size is
-    R * exec(n + e) / (n + e), with R the arrival rate sustained over the last ~100 arrivals. Below 1/2 the instance has slack (the server's bottleneck is elsewhere,
-    e.g. per-request work on the CPU), so a larger batch costs nothing and saves per-batch work: wait.
+    R * exec(n + e) / (n + e), with R the arrival rate sustained over the last ~100 arrivals. Below
+    1/2 the instance has slack (the server's bottleneck is elsewhere, e.g. per-request work on the
+    CPU), so a larger batch costs no instance time and saves per-batch work.
+    Even then it waits only if the batch would grow by a quarter (e >= n / 4): the per-batch saving fades
+    as batches grow, and waiting for the last stragglers of a closed loop costs more than it saves.
     At 1/2 or more the instance is the bottleneck and idling it costs throughput: wait only if it
     serves more rows per unit time, (n + e) / (w + exec(n + e)) > n / exec(n), as on a GPU whose
     batch costs the same at any size.
@@ -31,6 +34,7 @@ _ALPHA = 0.2  # weight of the newest observation in the moving averages
 _SLOW_ALPHA = 0.01
 _TARGET_SHARE = 0.8
 _BOTTLENECK_LOAD = 0.5  # instance load above which idling it costs throughput
+_MIN_GROWTH = 0.25  # with slack, wait only if the batch would grow by at least a quarter
 _PEAK_DECAY = 0.01  # per arrival: how fast the apparent concurrency forgets an old peak
 
 
@@ -131,6 +135,8 @@ class AdaptiveWindow:
         exec_grown = self.exec.estimate(grown)
         sustained_rate = 1.0 / max(self._long_gap_ns, 1.0)  # a lull right now does not make the instance idle
         if sustained_rate * exec_grown / grown < _BOTTLENECK_LOAD:
-            return True  # the instance has slack: a bigger batch is free
+            # The instance has slack: a bigger batch only saves per-batch work, and that saving fades
+            # as the batch grows, so wait only for a real increase, not for the last stragglers.
+            return expected >= rows * _MIN_GROWTH
         wait = expected / rate
         return grown / (wait + exec_grown) > rows / max(self.exec.estimate(rows), 1.0)
