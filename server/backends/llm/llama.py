@@ -1,0 +1,144 @@
+"""The Llama family in plain torch (Llama, Mistral, Qwen2), reading Hugging Face weight names as saved."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from server.backends.llm.attention import StepMetadata, paged_attention
+from server.backends.llm.hf_config import LlamaArgs
+from server.errors import ConfigError
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
+    d = args.head_dim
+    inv = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = args.rope_scaling
+    if not scaling:
+        return inv.float()
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return (inv / scaling["factor"]).float()
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return torch.where(is_mid, mid, scaled).float()
+    raise ConfigError(f"rope_scaling type {kind!r} is not supported (supported: linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D/2]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        bias = args.attention_bias
+        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata):
+        t = x.shape[0]
+        q = apply_rope(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
+        k = apply_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        k_cache, v_cache = cache
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
+        out = paged_attention(q, k_cache, v_cache, meta)  # [T, H, D]
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.model = Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+
+    def forward(self, input_ids, positions, caches, meta: StepMetadata, logits_index):
+        # input_ids, positions: [T]; logits_index: [S] rows whose next-token logits are needed
+        freqs = positions.float().unsqueeze(1) * self.inv_freq  # [T, D/2]
+        dtype = self.lm_head.weight.dtype
+        cos, sin = freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, caches):
+            x = layer(x, cos, sin, cache, meta)
+        x = self.model.norm(x[logits_index])
+        return self.lm_head(x).float()  # [S, vocab]
+
+    def load_weights(self, folder: Path) -> None:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{folder}: no *.safetensors weights")
+        state = {}
+        for file in files:
+            state.update(load_file(str(file)))
+        if "lm_head.weight" not in state:
+            state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied embeddings
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        unexpected = [k for k in unexpected if "rotary_emb" not in k]
+        if missing or unexpected:
+            raise ConfigError(f"{folder}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")

@@ -1,0 +1,176 @@
+"""Continuous batching: which sequences advance in the next model step, and by how many tokens.
+
+NOTE: there is no prefill phase and no decode phase. Every sequence has `num_computed` tokens in the
+KV cache out of `num_tokens`; a step feeds each scheduled sequence its next `pending` tokens (a
+decode is 1, a prompt or a recompute is many, cut to a chunk when the token budget runs out) and
+samples a token for those that catch up. Running sequences are served first, most urgent first; the
+budget left goes to waiting ones (priority, then arrival; preempted ones first within a priority).
+When a running sequence needs a block and none is free, the least urgent running sequence (lowest
+priority, most recently admitted) is preempted: its blocks are freed and it waits at the head of its
+priority to be recomputed from its prompt plus what it already generated, so the client sees no gap
+or duplicate. A step that preempted admits nothing new, and admission keeps a margin of free blocks
+so a resumed sequence is not evicted again at once.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+
+from server.errors import InvalidInputError, QueueFullError
+from server.scheduling.kv_blocks import KVBlockPool
+from server.scheduling.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuousSettings:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_waiting: int = 1024
+    admit_margin_blocks: int = 1
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one model step computes: each sequence with the number of its tokens to feed."""
+
+    entries: list[tuple[Sequence, int]]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.entries)
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+
+class ContinuousScheduler:
+    def __init__(self, settings: ContinuousSettings, pool: KVBlockPool):
+        self.settings = settings
+        self.pool = pool
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap: (priority, 0 if preempted, order, seq)
+        self._order = itertools.count()
+        self._admissions = itertools.count()
+        self.preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def waiting(self) -> list[Sequence]:
+        return [entry[-1] for entry in sorted(self._waiting)]
+
+    def submit(self, seq: Sequence) -> None:
+        """Admit to the waiting queue, or refuse at once (too long, queue full)."""
+        limit = self.settings.max_model_len
+        if seq.num_tokens >= limit:
+            raise InvalidInputError(f"prompt has {seq.num_tokens} tokens; max_model_len is {limit}")
+        needed = self.pool.blocks_for(min(seq.num_tokens + seq.sampling.max_tokens, limit))
+        if needed > self.pool.num_blocks:
+            raise InvalidInputError(
+                f"prompt plus max_tokens needs {needed} KV blocks but the pool has {self.pool.num_blocks}; "
+                "lower max_tokens or give the model more KV blocks")
+        if len(self._waiting) >= self.settings.max_waiting:
+            raise QueueFullError(f"generation queue is full ({self.settings.max_waiting} waiting); retry later")
+        self._push_waiting(seq, preempted=False)
+
+    def _push_waiting(self, seq: Sequence, preempted: bool) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority, 0 if preempted else 1, next(self._order), seq))
+
+    def expire(self, now_ns: int) -> list[Sequence]:
+        """Remove waiting sequences whose deadline passed (they never got to run, or must not resume)."""
+        expired = [e[-1] for e in self._waiting if e[-1].deadline_ns is not None and now_ns >= e[-1].deadline_ns]
+        if expired:
+            gone = set(map(id, expired))
+            self._waiting = [e for e in self._waiting if id(e[-1]) not in gone]
+            heapq.heapify(self._waiting)
+            for seq in expired:
+                self._finish(seq, "deadline")
+        return expired
+
+    def drop_cancelled(self) -> list[Sequence]:
+        """Free every cancelled sequence, waiting or running; called at the start of each step."""
+        dropped = [s for s in self.running if s.cancelled] + [e[-1] for e in self._waiting if e[-1].cancelled]
+        if dropped:
+            self.running = [s for s in self.running if not s.cancelled]
+            self._waiting = [e for e in self._waiting if not e[-1].cancelled]
+            heapq.heapify(self._waiting)
+            for seq in dropped:
+                self._finish(seq, "cancelled")
+        return dropped
+
+    def schedule(self) -> StepPlan:
+        budget = self.settings.max_num_batched_tokens
+        entries: list[tuple[Sequence, int]] = []
+        preempted = False
+        self.running.sort(key=lambda s: (s.priority, s.admitted))
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.pending, budget)
+            while not self.pool.can_hold(seq, seq.num_computed + n):
+                victim = queue.pop() if queue else seq  # the least urgent not yet scheduled
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self.pool.allocate(seq, seq.num_computed + n)
+            entries.append((seq, n))
+            budget -= n
+        if not preempted:
+            budget = self._admit(entries, budget)
+        return StepPlan(entries)
+
+    def _admit(self, entries: list, budget: int) -> int:
+        margin = self.settings.admit_margin_blocks
+        while self._waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
+            seq = self._waiting[0][-1]
+            n = min(seq.pending, budget)
+            if not self.pool.can_hold(seq, seq.num_computed + n, margin):
+                break
+            heapq.heappop(self._waiting)
+            self.pool.allocate(seq, seq.num_computed + n)
+            seq.status = SeqStatus.RUNNING
+            seq.admitted = next(self._admissions)
+            self.running.append(seq)
+            entries.append((seq, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq)
+        seq.num_computed = 0  # recompute prompt + generated tokens when resumed
+        seq.preemptions += 1
+        self.preemptions += 1
+        self._push_waiting(seq, preempted=True)
+
+    def postprocess(self, plan: StepPlan, sampled: dict[int, int]) -> None:
+        """Fold a finished step back in: advance computed counts and append sampled tokens."""
+        for seq, n in plan.entries:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # cancelled or finished while the step ran: its output is dropped
+            seq.num_computed += n
+            token = sampled.get(seq.seq_id)
+            if token is not None:
+                seq.token_ids.append(token)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence (length, stop, eos, deadline) and return its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.pool.free(seq)
+
+    def fragmentation(self) -> float:
+        return self.pool.fragmentation(self.running)

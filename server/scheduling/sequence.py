@@ -1,0 +1,69 @@
+"""One generation request as the continuous-batching scheduler sees it: token counts, status, blocks."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """Mutable record of one request. The scheduler moves it between queues and counts tokens; only the
+    block pool writes `block_table`; the runner only reads it."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt followed by every token generated so far
+    prompt_len: int
+    sampling: SamplingParams
+    priority: int = 1  # 1 is the highest
+    arrival_ns: int = 0
+    deadline_ns: int | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose K/V sit in the cache
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    preemptions: int = 0
+    admitted: int = 0  # admission order among running sequences; later admitted is preempted first
+    cancelled: bool = False
+    first_scheduled_ns: int | None = None
+    handle: Any = None  # the engine's per-request channel; opaque to the scheduler
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed before the next token can be sampled."""
+        return self.num_tokens - self.num_computed

@@ -1,0 +1,167 @@
+"""The continuous-batching scheduler and the KV block pool, driven with made-up model outputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.errors import InvalidInputError, QueueFullError
+from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
+from server.scheduling.kv_blocks import KVBlockPool
+from server.scheduling.sequence import SamplingParams, Sequence, SeqStatus
+
+_ids = iter(range(10**6))
+
+
+def seq(prompt_len: int, max_tokens: int = 8, priority: int = 1) -> Sequence:
+    return Sequence(next(_ids), list(range(1, prompt_len + 1)), prompt_len, SamplingParams(max_tokens=max_tokens),
+                    priority=priority)
+
+
+def scheduler(blocks=64, block_size=4, max_seqs=8, budget=32, margin=0, max_len=256, max_waiting=100):
+    settings = ContinuousSettings(max_seqs, budget, max_len, max_waiting, margin)
+    return ContinuousScheduler(settings, KVBlockPool(blocks, block_size))
+
+
+def step(s: ContinuousScheduler, token: int = 7):
+    """Schedule one step and pretend the model sampled `token` for every sequence that caught up."""
+    plan = s.schedule()
+    sampled = {q.seq_id: token for q, n in plan.entries if q.num_computed + n == q.num_tokens}
+    s.postprocess(plan, sampled)
+    s.pool.check()
+    return plan
+
+
+def test_budget_serves_running_first_then_chunks_the_last_prompt():
+    s = scheduler(budget=10)
+    a, b = seq(6), seq(9)
+    s.submit(a)
+    s.submit(b)
+    plan = step(s)
+    assert [(q.seq_id, n) for q, n in plan.entries] == [(a.seq_id, 6), (b.seq_id, 4)]  # b's prompt is cut
+    assert a.num_output == 1 and b.num_output == 0 and b.num_computed == 4
+    plan = step(s)
+    assert [(q.seq_id, n) for q, n in plan.entries] == [(a.seq_id, 1), (b.seq_id, 5)]  # decode + rest of b
+    assert b.num_output == 1
+
+
+def test_admission_limited_by_max_seqs_and_free_blocks():
+    s = scheduler(blocks=4, block_size=4, max_seqs=2, budget=100)
+    seqs = [seq(4, max_tokens=4) for _ in range(3)]
+    for q in seqs:
+        s.submit(q)
+    plan = step(s)
+    assert len(plan.entries) == 2 and s.num_waiting == 1  # max_num_seqs
+    s2 = scheduler(blocks=3, block_size=4, budget=100, margin=1)
+    big, small = seq(8, max_tokens=2), seq(4, max_tokens=2)
+    s2.submit(big)
+    s2.submit(small)
+    step(s2)
+    assert big.status is SeqStatus.RUNNING and small.status is SeqStatus.WAITING  # margin keeps one block free
+
+
+def test_priority_then_arrival_order_for_admission():
+    s = scheduler(max_seqs=1)
+    low, high = seq(4, priority=2), seq(4, priority=1)
+    s.submit(low)
+    s.submit(high)
+    plan = step(s)
+    assert plan.entries[0][0] is high
+
+
+def run_until_preemption(s: ContinuousScheduler, limit: int = 20):
+    for _ in range(limit):
+        plan = step(s)
+        if s.preemptions:
+            return plan
+    raise AssertionError("no preemption happened")
+
+
+def test_preemption_picks_lowest_priority_latest_admitted_and_recomputes_everything():
+    s = scheduler(blocks=6, block_size=2, budget=100)
+    first, second = seq(3, max_tokens=8), seq(3, max_tokens=8)
+    s.submit(first)
+    s.submit(second)
+    plan = run_until_preemption(s)
+    assert s.preemptions == 1 and second.status is SeqStatus.WAITING and second.num_computed == 0
+    assert [q for q, _ in plan.entries] == [first]
+    generated = second.num_output
+    assert second.block_table == [] and generated >= 2  # what it generated is kept for the recompute
+    s.finish(first, "length")
+    plan = step(s)
+    assert plan.entries == [(second, 3 + generated)]  # prompt + every generated token, in one chunk
+    assert second.num_output == generated + 1  # and it goes on where it stopped
+
+
+def test_low_priority_is_preempted_before_an_earlier_admitted_high_priority():
+    s = scheduler(blocks=6, block_size=2, budget=100)
+    low, high = seq(3, max_tokens=8, priority=2), seq(3, max_tokens=8, priority=1)
+    s.submit(low)
+    step(s)  # low is admitted first
+    s.submit(high)
+    run_until_preemption(s)
+    assert low.status is SeqStatus.WAITING and high.status is SeqStatus.RUNNING
+
+
+def test_preemption_step_admits_nothing_new():
+    s = scheduler(blocks=6, block_size=2, budget=100)
+    a, b = seq(3, max_tokens=8, priority=2), seq(3, max_tokens=8, priority=2)
+    s.submit(a)
+    s.submit(b)
+    while s.pool.num_free:
+        step(s)
+    late = seq(1, max_tokens=1, priority=1)  # heads the waiting queue, fits once b's blocks are freed
+    s.submit(late)
+    run_until_preemption(s)
+    assert late.status is SeqStatus.WAITING  # not in the step that preempted
+    step(s)
+    assert late.status is SeqStatus.RUNNING  # but in the next one
+
+
+def test_finish_and_cancel_return_every_block():
+    s = scheduler(blocks=16, block_size=2)
+    seqs = [seq(5, max_tokens=5) for _ in range(4)]
+    for q in seqs:
+        s.submit(q)
+    step(s)
+    step(s)
+    assert s.pool.num_free < 16
+    seqs[0].cancelled = True
+    seqs[3].cancelled = True
+    dropped = s.drop_cancelled()
+    assert set(dropped) == {seqs[0], seqs[3]} and all(q.finish_reason == "cancelled" for q in dropped)
+    s.finish(seqs[1], "eos")
+    s.finish(seqs[2], "stop")
+    assert s.pool.num_free == 16 and not s.running
+    s.pool.check()
+
+
+def test_expired_waiting_sequences_leave_with_deadline():
+    s = scheduler(max_seqs=1)
+    a, b = seq(4), seq(4)
+    b.deadline_ns = 100
+    s.submit(a)
+    s.submit(b)
+    step(s)
+    assert s.expire(now_ns=50) == []
+    assert s.expire(now_ns=100) == [b] and b.finish_reason == "deadline" and s.num_waiting == 0
+
+
+def test_refusals_are_immediate():
+    s = scheduler(blocks=4, block_size=4, max_len=64, max_waiting=1)
+    with pytest.raises(InvalidInputError, match="max_model_len"):
+        s.submit(seq(64))
+    with pytest.raises(InvalidInputError, match="KV blocks"):
+        s.submit(seq(10, max_tokens=20))
+    s.submit(seq(4))
+    with pytest.raises(QueueFullError):
+        s.submit(seq(4))
+
+
+def test_fragmentation_counts_unfilled_slots_of_allocated_blocks():
+    pool = KVBlockPool(8, 4)
+    q = seq(5)
+    pool.allocate(q, 5)
+    q.num_computed = 5
+    assert len(q.block_table) == 2 and pool.fragmentation([q]) == pytest.approx(3 / 8)
+    pool.free(q)
+    assert pool.num_free == 8 and pool.fragmentation([q]) == 0.0
