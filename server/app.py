@@ -10,8 +10,10 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
+from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
+from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
 
@@ -40,9 +42,10 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
     registry = Registry(config.model_repository, Histograms(prom), config.default_max_batch_size,
-                        config.max_queued_requests)
+                        config.max_queued_requests, GenerationFamilies(prom))
     prom.register(StatsCollector(registry.stats))
-    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health))])
+    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health)),
+                                 generation_service(GenerationServicer(registry))])
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
     if config.metrics_port is not None:

@@ -41,5 +41,9 @@ class BackendError(FerryError):
     """The backend failed while running a batch; only that batch's requests see it."""
 
 
+class UnsupportedError(FerryError):
+    """The call is valid but this model or server does not offer it."""
+
+
 class ConfigError(FerryError):
     """A model configuration is invalid; the message names the file and the field."""

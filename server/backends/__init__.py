@@ -12,11 +12,12 @@ _BACKENDS = {
     "onnxruntime": "server.backends.onnx_runtime:OnnxRuntimeBackend",
     "pytorch": "server.backends.pytorch:TorchBackend",
     "python": "server.backends.python_model:PythonBackend",
+    "llm": "server.backends.llm.engine:LLMBackend",
 }
 # Triton platform names -> backend names, so Triton configs work unchanged.
 _PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch", "pytorch_export": "pytorch"}
 # Which backend a bare model file implies when the config names none.
-_FILE_HINTS = {".onnx": "onnxruntime", ".pt": "pytorch", ".pt2": "pytorch", ".py": "python"}
+_FILE_HINTS = {".onnx": "onnxruntime", ".pt": "pytorch", ".pt2": "pytorch", ".py": "python", ".safetensors": "llm"}
 
 
 def backend_class(name: str):

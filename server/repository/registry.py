@@ -10,7 +10,8 @@ from pathlib import Path
 from protos import model_config_pb2 as mc
 from server.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.metrics import Histograms, ModelStats
-from server.repository import loader
+from server.generation_metrics import GenerationFamilies, GenerationStats
+from server.repository import generation, loader
 from server.runner import ModelRunner
 from server.signature import Signature
 from server.worker import Worker
@@ -37,11 +38,12 @@ class ModelVersion:
 
 class Registry:
     def __init__(self, root: Path, histograms: Histograms | None = None, default_max_batch_size: int = 4,
-                 max_queued: int = 0):
+                 max_queued: int = 0, generation_families: GenerationFamilies | None = None):
         self.root = root
         self.histograms = histograms
         self.default_max_batch_size = default_max_batch_size
         self.max_queued = max_queued
+        self.generation_families = generation_families
         self._models: dict[str, dict[int, ModelVersion]] = {}
         self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
 
@@ -65,17 +67,24 @@ class Registry:
                 mv.state, mv.reason = UNAVAILABLE, entry.error
                 continue
             try:
-                scheduler = loader.build_scheduler(entry.config, self.max_queued)
+                mv.runner = self._runner(name, entry)
             except ConfigError as exc:
                 mv.state, mv.reason = UNAVAILABLE, exc.message
+                for backend in entry.backends:
+                    backend.unload()
                 continue
-            stats = ModelStats(name, entry.version, self.histograms)
-            workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
-            ordered = entry.config.dynamic_batching.preserve_ordering
-            mv.runner = ModelRunner(name, entry.version, scheduler, workers, stats, preserve_ordering=ordered)
             mv.runner.start()
             mv.state = READY
-            log.info("model '%s' version %d is READY (%d instance(s))", name, entry.version, len(workers))
+            log.info("model '%s' version %d is READY (%d instance(s))", name, entry.version, len(entry.backends))
+
+    def _runner(self, name: str, entry: loader.LoadedVersion):
+        stats = ModelStats(name, entry.version, self.histograms)
+        if entry.config.backend == "llm":
+            return generation.build_runner(name, entry, stats, GenerationStats(self.generation_families, name, entry.version))
+        scheduler = loader.build_scheduler(entry.config, self.max_queued)
+        workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
+        ordered = entry.config.dynamic_batching.preserve_ordering
+        return ModelRunner(name, entry.version, scheduler, workers, stats, preserve_ordering=ordered)
 
     def get(self, name: str, version: str = "") -> ModelVersion:
         """The version a request should use; raises NOT_FOUND / UNAVAILABLE / INVALID_ARGUMENT errors."""

@@ -22,6 +22,7 @@ STATUS = {
     errors.RequestCancelledError: grpc.StatusCode.CANCELLED,
     errors.BackendError: grpc.StatusCode.INTERNAL,
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    errors.UnsupportedError: grpc.StatusCode.UNIMPLEMENTED,
 }
 
 
@@ -42,6 +43,25 @@ def translate_errors(method):
         except errors.FerryError as exc:
             await context.abort(status_of(exc), exc.message)
         except Exception as exc:  # noqa: BLE001 - the server keeps serving whatever a handler hits
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            log.exception("unexpected error in %s", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+def translate_stream_errors(method):
+    """`translate_errors` for server-streaming handlers (async generators)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            async for response in method(self, request, context):
+                yield response
+        except errors.FerryError as exc:
+            await context.abort(status_of(exc), exc.message)
+        except Exception as exc:  # noqa: BLE001
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             log.exception("unexpected error in %s", method.__name__)

@@ -7,9 +7,10 @@ import time
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__
-from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
+from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
+from server.runner import ModelRunner
 from server.rpc import codec
 from server.rpc.errors import translate_errors
 
@@ -78,6 +79,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         arrival = time.monotonic_ns()
         mv = self.registry.get(request.model_name, request.model_version)
+        if not isinstance(mv.runner, ModelRunner):
+            raise UnsupportedError(f"ModelInfer does not serve generation model '{mv.name}'; "
+                                   "stream from it with ferry.generate.v1.Generation/Generate")
         infer = _decode(request, mv, arrival, context.time_remaining())
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)

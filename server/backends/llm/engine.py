@@ -1,0 +1,167 @@
+"""The generation backend: a Llama-family model, its KV cache and one `step` per scheduler plan.
+
+The scheduler decides (which sequences, how many tokens each); this module only turns a plan into
+tensors, runs one forward pass over every scheduled token at once and samples. It never decides.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from protos import model_config_pb2 as mc
+from server.backends.base import Backend, Device
+from server.backends.llm.attention import StepMetadata, build_group
+from server.backends.llm.hf_config import LlamaArgs
+from server.backends.llm.llama import LlamaForCausalLM
+from server.backends.llm.sampler import sample
+from server.backends.llm.tokenizer import TextTokenizer
+from server.errors import ConfigError, InvalidInputError
+from server.scheduling.continuous import StepPlan
+
+log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSettings:
+    block_size: int = 16
+    num_kv_blocks: int = 0
+    kv_cache_memory_mb: int = 256
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 0
+    dtype: str = "auto"
+    max_waiting: int = 1024
+    default_max_tokens: int = 256
+
+    @classmethod
+    def from_config(cls, g: mc.ModelGeneration, source: str) -> GenerationSettings:
+        defaults = cls()
+        values = {f: getattr(g, f) or getattr(defaults, f) for f in (
+            "block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens",
+            "max_model_len", "dtype", "max_waiting", "default_max_tokens")}
+        if values["dtype"] not in ("auto", *_DTYPES):
+            raise ConfigError(f"{source}: field 'generation.dtype' is {values['dtype']!r}; use auto, {', '.join(_DTYPES)}")
+        if values["block_size"] > 1024:
+            raise ConfigError(f"{source}: field 'generation.block_size' {values['block_size']} is too large (<= 1024)")
+        return cls(**values)
+
+
+class LLMBackend(Backend):
+    name = "llm"
+    default_filename = "config.json"
+
+    @classmethod
+    def cuda_devices(cls) -> int:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    @classmethod
+    def complete_config(cls, config: mc.ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
+        """Describe the model the way Triton's vLLM backend does, so KServe metadata stays meaningful."""
+        config.platform = config.platform or "ferry_llm"
+        config.max_batch_size = 0
+        if not config.input:
+            config.input.add(name="text_input", data_type=mc.TYPE_STRING, dims=[1])
+        if not config.output:
+            config.output.add(name="text_output", data_type=mc.TYPE_STRING, dims=[-1])
+
+    def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
+        super().__init__(config, model_path, device)
+        self.folder = model_path.parent
+        self.settings = GenerationSettings.from_config(config.generation, str(self.folder))
+
+    def load(self) -> None:
+        self.args = LlamaArgs.load(self.folder)
+        self.torch_device = torch.device(str(self.device))
+        self.dtype = self._dtype()
+        model = LlamaForCausalLM(self.args)
+        model.load_weights(self.folder)
+        self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
+        self.tokenizer = TextTokenizer(self.folder)
+        self.eos_token_ids = self.tokenizer.eos_token_ids or self.args.eos_token_ids
+        limit = self.settings.max_model_len or self.args.max_position
+        if self.args.sliding_window and limit > self.args.sliding_window:
+            limit = self.args.sliding_window  # sliding-window attention is not implemented: stay inside one window
+        self.max_model_len = min(limit, self.args.max_position)
+        self.num_kv_blocks = self._num_blocks()
+        self.caches = self._allocate_caches()
+        self.generator = torch.Generator(device=self.torch_device)
+        self.generator.manual_seed(0)
+        log.info("model '%s': %s on %s (%s), %d KV blocks of %d tokens", self.config.name, self.args.model_type,
+                 self.device, str(self.dtype).removeprefix("torch."), self.num_kv_blocks, self.settings.block_size)
+
+    def _dtype(self) -> torch.dtype:
+        chosen = self.settings.dtype
+        if chosen == "auto":
+            chosen = "float32" if self.device.kind == "cpu" else (self.args.dtype if self.args.dtype in _DTYPES else "bfloat16")
+            if chosen == "float32" and self.device.kind == "cuda":
+                chosen = "bfloat16"
+        return _DTYPES[chosen]
+
+    def _num_blocks(self) -> int:
+        if self.settings.num_kv_blocks:
+            return self.settings.num_kv_blocks
+        a = self.args
+        per_block = 2 * a.num_layers * self.settings.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
+        return max(1, self.settings.kv_cache_memory_mb * 2**20 // per_block)
+
+    def _allocate_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        slots = self.num_kv_blocks * self.settings.block_size
+        shape = (slots, self.args.num_kv_heads, self.args.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.torch_device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.torch_device)) for _ in range(self.args.num_layers)]
+
+    def encode_prompt(self, text: str | None, token_ids: list[int] | None) -> list[int]:
+        ids = list(token_ids) if token_ids else self.tokenizer.encode(text or "")
+        if not ids:
+            raise InvalidInputError("the prompt is empty")
+        if max(ids) >= self.args.vocab_size:
+            raise InvalidInputError(f"token id {max(ids)} is outside the vocabulary (size {self.args.vocab_size})")
+        return ids
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise InvalidInputError("generation models are served by ferry.generate.v1.Generation/Generate")
+
+    def step(self, plan: StepPlan) -> dict[int, int]:
+        """Run one forward pass over every planned token; return {seq_id: sampled token} for sequences
+        whose plan brings them up to date (the others were fed a prompt chunk only)."""
+        ids, positions, slots = [], [], []
+        decode, prefill = [], []
+        logits_rows, samplers = [], []
+        bs = self.settings.block_size
+        for seq, n in plan.entries:
+            start = len(ids)
+            first = seq.num_computed
+            ids.extend(seq.token_ids[first : first + n])
+            positions.extend(range(first, first + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
+            (decode if n == 1 else prefill).append((start, n, first, table))
+            if first + n == seq.num_tokens:
+                logits_rows.append(start + n - 1)
+                samplers.append(seq)
+        device = self.torch_device
+        groups = [build_group(*zip(*group), bs, device) for group in (decode, prefill) if group]
+        meta = StepMetadata(torch.tensor(slots, device=device), groups)
+        with torch.inference_mode():
+            logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+                                self.caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=device))
+            if not samplers:
+                return {}
+            chosen = sample(logits, [s.sampling for s in samplers], [s.num_tokens for s in samplers], self.generator)
+        return {seq.seq_id: token for seq, token in zip(samplers, chosen)}
+
+    def unload(self) -> None:
+        self.model = None
+        self.caches = []
+        if self.device.kind == "cuda":
+            torch.cuda.empty_cache()
+
+    def describe(self) -> dict[str, str]:
+        return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
+                "num_kv_blocks": str(self.num_kv_blocks), "max_model_len": str(self.max_model_len)}

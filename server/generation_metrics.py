@@ -1,0 +1,58 @@
+"""Figures of generation models: KV cache, queue, preemptions and token latencies.
+
+Kept beside metrics.py (which owns the KServe figures every model shares) so the two can grow apart;
+histograms are in microseconds like the rest of Ferry's, measured on one monotonic clock in the engine.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LABELS = ("model", "version")
+_TOKEN_BUCKETS_US = (1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
+
+
+class GenerationFamilies:
+    def __init__(self, registry: CollectorRegistry):
+        def gauge(name, doc):
+            return Gauge(name, doc, _LABELS, registry=registry)
+
+        def histogram(name, doc):
+            return Histogram(name, doc, _LABELS, buckets=_TOKEN_BUCKETS_US, registry=registry)
+
+        self.running = gauge("ferry_generation_running", "Sequences in the running batch")
+        self.waiting = gauge("ferry_generation_waiting", "Sequences waiting to be admitted")
+        self.kv_used = gauge("ferry_kv_blocks_used", "KV cache blocks in use")
+        self.kv_total = gauge("ferry_kv_blocks_total", "KV cache blocks in the pool")
+        self.fragmentation = gauge("ferry_kv_fragmentation", "Allocated but unfilled KV slots / allocated slots")
+        self.preemptions = Counter("ferry_preemptions", "Sequences preempted (freed and later recomputed)", _LABELS, registry=registry)
+        self.queue_us = histogram("ferry_generation_queue_duration_us", "Arrival to first scheduled step")
+        self.ttft_us = histogram("ferry_time_to_first_token_us", "Arrival to first generated token")
+        self.itl_us = histogram("ferry_inter_token_latency_us", "Time between consecutive tokens of a sequence")
+        self.e2e_us = histogram("ferry_generation_duration_us", "Arrival to last token")
+
+
+class GenerationStats:
+    """One model version's view of the families (label children resolved once)."""
+
+    def __init__(self, families: GenerationFamilies | None, model: str, version: int):
+        self.preemptions = 0
+        self._c = None
+        if families is not None:
+            labels = {"model": model, "version": str(version)}
+            self._c = {name: getattr(families, name).labels(**labels) for name in (
+                "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions",
+                "queue_us", "ttft_us", "itl_us", "e2e_us")}
+
+    def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int, fragmentation: float, preemptions: int) -> None:
+        added, self.preemptions = preemptions - self.preemptions, preemptions
+        if self._c:
+            for name, value in (("running", running), ("waiting", waiting), ("kv_used", kv_used),
+                                ("kv_total", kv_total), ("fragmentation", fragmentation)):
+                self._c[name].set(value)
+            if added:
+                self._c["preemptions"].inc(added)
+
+    def observe(self, name: str, ns: int) -> None:
+        if self._c:
+            self._c[name].observe(ns / 1000)

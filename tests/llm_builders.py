@@ -1,0 +1,68 @@
+"""Tiny Hugging Face-format language models built with `transformers` itself, plus a local tokenizer.
+
+Random weights give near-tied logits where float summation order can flip an argmax; a large
+initializer range spreads the logits so greedy decoding is stable across implementations.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORPUS = [
+    "the ferry leaves when it is full or when it is time",
+    "batching is what this server is about",
+    "ünïcödé wörds and émojis 🚢⚓ keep the detokenizer honest",
+    "continuous batching joins requests at every decode step",
+] * 4
+
+
+def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
+    """A byte-level BPE trained on a few sentences; returns its vocabulary size."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(CORPUS, vocab_size=vocab_size, min_frequency=1, special_tokens=["<s>", "</s>"])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return tok.get_vocab_size()
+
+
+def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512) -> Path:
+    """Save a random `family` model (llama or qwen2) with transformers' save_pretrained, and a tokenizer."""
+    import torch
+    import transformers
+
+    vocab = build_tokenizer(folder)
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                  initializer_range=0.5, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        model_cls = transformers.LlamaForCausalLM
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1e6)
+        model_cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate: the independent implementation Ferry is checked against."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def llm_config(block_size: int = 4, num_kv_blocks: int = 256, **extra) -> str:
+    fields = {"block_size": block_size, "num_kv_blocks": num_kv_blocks, **extra}
+    return "backend: llm\ngeneration: " + json.dumps(fields) + "\n"
