@@ -65,8 +65,57 @@ def scaler_torchscript() -> None:
     torch.jit.script(Scaler()).save(str(path))
 
 
+DEMO_CORPUS = [
+    "A ferry leaves when it is full or when it is time.",
+    "Ferry batches requests so the hardware never idles and latency stays bounded.",
+    "This tiny model has random weights: it demonstrates streaming, not language.",
+    "Drop a real Hugging Face Llama, Qwen2 or Mistral folder next to it to serve one.",
+]
+
+
+def tiny_llama() -> None:
+    """DEMO ONLY: a Llama-architecture model with random seeded weights and a small byte-level tokenizer.
+
+    It shows continuous batching and streaming end to end; its text is noise. Weights are written in
+    Hugging Face's layout (config.json, model.safetensors, tokenizer.json), exactly what a real model
+    folder looks like.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import ByteLevelBPETokenizer
+
+    folder = HERE / "tiny_llama" / "1"
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(DEMO_CORPUS * 8, vocab_size=384, min_frequency=1, special_tokens=["<s>", "</s>"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": tokenizer.get_vocab_size(),
+        "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False, "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generator = torch.Generator().manual_seed(11)
+    shapes = {"model.embed_tokens.weight": (config["vocab_size"], 64), "model.norm.weight": (64,),
+              "lm_head.weight": (config["vocab_size"], 64)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (64, 64), p + "self_attn.k_proj.weight": (32, 64),
+                       p + "self_attn.v_proj.weight": (32, 64), p + "self_attn.o_proj.weight": (64, 64),
+                       p + "mlp.gate_proj.weight": (176, 64), p + "mlp.up_proj.weight": (176, 64),
+                       p + "mlp.down_proj.weight": (64, 176), p + "input_layernorm.weight": (64,),
+                       p + "post_attention_layernorm.weight": (64,)})
+    weights = {name: torch.ones(shape) if name.endswith("norm.weight") else torch.randn(shape, generator=generator) * 0.3
+               for name, shape in sorted(shapes.items())}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
 if __name__ == "__main__":
     simple()
     classifier()
     scaler_torchscript()
+    tiny_llama()
     print(f"examples written under {HERE}")

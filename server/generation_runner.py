@@ -159,7 +159,7 @@ class GenerationRunner:
         else:
             self.gen_stats.observe("itl_us", now - stream.last_token_ns)
         stream.last_token_ns = now
-        finish = None
+        finish, stopped = None, False
         if token in self.backend.eos_token_ids and not params.ignore_eos:
             finish, text = "eos", ""
         else:
@@ -171,8 +171,9 @@ class GenerationRunner:
         if finish is None:
             stream.events.put_nowait(GenerationEvent([token], text))
             return
-        if finish != "stop":
-            text += stream.stops.flush()
+        if not stopped:  # release held text: an unfinished character, a possible stop-string start
+            tail, stopped = stream.stops.feed(stream.detokenizer.flush())
+            text += tail + ("" if stopped else stream.stops.flush())
         self.scheduler.finish(seq, finish)
         self._final(seq, finish, text, [token], now)
 

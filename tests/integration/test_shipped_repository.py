@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from protos import generate_pb2 as gen
+from protos import generate_pb2_grpc as gen_grpc
 from protos import grpc_service_pb2 as pb
 from tests import kserve
 from tests.conftest import ROOT, RunningServer
@@ -14,7 +16,7 @@ def test_every_shipped_model_is_ready_and_answers():
     try:
         models = kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest()).models
         assert {(m.name, m.state) for m in models} == {
-            ("simple", "READY"), ("classifier", "READY"), ("scaler_torchscript", "READY")}
+            ("simple", "READY"), ("classifier", "READY"), ("scaler_torchscript", "READY"), ("tiny_llama", "READY")}
         a = np.arange(32, dtype=np.float32).reshape(2, 16)
         out = kserve.infer(server.channel, "simple", {"INPUT0": a, "INPUT1": a})
         np.testing.assert_array_equal(out["OUTPUT0"], 2 * a)
@@ -25,5 +27,9 @@ def test_every_shipped_model_is_ready_and_answers():
         assert scaled.shape == (1, 8) and np.isfinite(scaled).all() and np.abs(scaled).sum() > 0
         config = kserve.stub(server.channel).ModelConfig(pb.ModelConfigRequest(name="classifier")).config
         assert config.instance_group[0].count == 2  # the pbtxt arrived as written
+        request = gen.GenerateRequest(model_name="tiny_llama", text="A ferry leaves",
+                                      sampling=gen.SamplingParams(max_tokens=8, ignore_eos=True))
+        streamed = list(gen_grpc.GenerationStub(server.channel).Generate(request, timeout=60))
+        assert sum(len(r.token_ids) for r in streamed) == 8 and streamed[-1].finish_reason == "length"
     finally:
         assert server.stop() == 0

@@ -59,6 +59,13 @@ class IncrementalDetokenizer:
             return after[len(before) :]
         return ""
 
+    def flush(self) -> str:
+        """At the end of a sequence: whatever is still held, even an incomplete character."""
+        before = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        after = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return after[len(before) :]
+
 
 class StopStrings:
     """Holds back text that might be the start of a stop string, so a stop string is never half-sent."""
