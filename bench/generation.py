@@ -1,0 +1,270 @@
+"""Generation benchmark: continuous batching vs static batching vs one at a time vs transformers.
+
+    python -m bench.generation [--requests 48] [--rates 2,4]
+
+One run, one locally saved random Llama (transformers' save_pretrained), one set of random-token
+prompts of mixed lengths, and four ways to serve them:
+  (a) Ferry over gRPC (continuous batching, paged KV cache), all at once and at Poisson rates;
+  (b) static batching on the same engine: batches of 16 (and one batch of everything) in arrival order,
+      each run until its longest member is done (every member decodes that long, no one joins mid-batch;
+      prompts are not padded, which favours static batching slightly);
+  (c) one request at a time on the same engine;
+  (d) transformers' own continuous batching (`init_continuous_batching`), same model and prompts.
+Figures: output tokens/s (useful tokens only), time to first token and inter-token latency p50/p99,
+KV utilisation. Appended to bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from bench import common
+from protos import generate_pb2 as gen
+from protos import generate_pb2_grpc as gen_grpc
+
+STATIC_BATCH = 16
+
+
+def build_model(folder: Path) -> None:
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                                      bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    vocab = {f"t{i}": i for i in range(2048)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def workload(count: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """70% short chats (8-32 prompt, 8-32 out), 30% long ones (64-256 prompt, 64-128 out)."""
+    rng = np.random.default_rng(seed)
+    jobs = []
+    for _ in range(count):
+        long = rng.random() < 0.3
+        prompt_len = int(rng.integers(64, 257) if long else rng.integers(8, 33))
+        out_len = int(rng.integers(64, 129) if long else rng.integers(8, 33))
+        jobs.append((rng.integers(2, 2048, size=prompt_len).tolist(), out_len))
+    return jobs
+
+
+def summary(name: str, tokens: int, wall_s: float, ttft_s: list[float], itl_s: list[float], **extra) -> dict:
+    pct = lambda xs, q: round(float(np.percentile(xs, q)) * 1000, 1) if xs else ""  # noqa: E731
+    return {"mode": name, "output_tok_s": round(tokens / wall_s, 1), "wall_s": round(wall_s, 2),
+            "ttft_p50_ms": pct(ttft_s, 50), "ttft_p99_ms": pct(ttft_s, 99),
+            "itl_p50_ms": pct(itl_s, 50), "itl_p99_ms": pct(itl_s, 99), **extra}
+
+
+# ---------------------------------------------------------------- (b), (c): the same engine, in process
+def engine(folder: Path, max_seqs: int):
+    from protos import model_config_pb2 as mc
+    from server.backends.base import Device
+    from server.backends.llm.engine import LLMBackend
+    from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
+    from server.scheduling.kv_blocks import KVBlockPool
+
+    config = mc.ModelConfig(name="bench", backend="llm")
+    config.generation.block_size, config.generation.num_kv_blocks = 16, 1024
+    backend = LLMBackend(config, folder / "config.json", Device("cpu"))
+    backend.load()
+    settings = ContinuousSettings(max_num_seqs=max_seqs, max_num_batched_tokens=4096, max_model_len=1024)
+    return backend, ContinuousScheduler(settings, KVBlockPool(1024, 16))
+
+
+def run_batches(folder: Path, jobs, batch: int, name: str) -> dict:
+    """Admit `batch` requests together and run them until the longest is done; then the next batch."""
+    from server.scheduling.sequence import SamplingParams, Sequence
+
+    backend, scheduler = engine(folder, batch)
+    ttft, itl, useful = [], [], 0
+    start = time.perf_counter()
+    for i in range(0, len(jobs), batch):
+        group = jobs[i : i + batch]
+        longest = max(n for _, n in group)
+        seqs = [Sequence(i + j, list(p), len(p), SamplingParams(max_tokens=longest, ignore_eos=True))
+                for j, (p, _) in enumerate(group)]
+        for seq in seqs:
+            scheduler.submit(seq)
+        last = {}
+        while scheduler.running or scheduler.num_waiting:
+            plan = scheduler.schedule()
+            sampled = backend.step(plan)
+            scheduler.postprocess(plan, sampled)
+            now = time.perf_counter()
+            for seq, (_, own) in zip(seqs, group):
+                if seq.seq_id in sampled and seq.num_output <= own:
+                    (itl.append(now - last[seq.seq_id]) if seq.seq_id in last else ttft.append(now - start))
+                    last[seq.seq_id] = now
+            for seq in list(scheduler.running):
+                if seq.num_output >= longest:
+                    scheduler.finish(seq, "length")
+        useful += sum(n for _, n in group)
+    return summary(name, useful, time.perf_counter() - start, ttft, itl)
+
+
+# ---------------------------------------------------------------- (a): Ferry over gRPC
+def start_ferry(repo: Path):
+    cmd = common.ferry_command(repo)
+    cmd[cmd.index("--metrics-port") + 1] = "0"
+    proc = subprocess.Popen(cmd, cwd=common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    text = ""
+    for line in proc.stdout:
+        text += line
+        if line.startswith("ferry: ready"):
+            break
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    address = re.search(r"serving gRPC on (\S+)", text).group(1)
+    metrics = re.search(r"serving metrics on (\S+)", text).group(1)
+    return proc, address, metrics
+
+
+def kv_sampler(metrics_url: str, stop: threading.Event, samples: list) -> None:
+    while not stop.is_set():
+        page = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+        used = re.search(r'ferry_kv_blocks_used\{model="bench",version="1"\} (\S+)', page)
+        total = re.search(r'ferry_kv_blocks_total\{model="bench",version="1"\} (\S+)', page)
+        if used and total and float(total.group(1)):
+            samples.append(float(used.group(1)) / float(total.group(1)))
+        stop.wait(0.05)
+
+
+async def ferry_run(address: str, jobs, arrivals: list[float]) -> tuple[float, list, list]:
+    ttft, itl = [], []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+
+        async def one(prompt, n, at):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            sent = last = time.perf_counter()
+            request = gen.GenerateRequest(model_name="bench", token_ids=gen.TokenIds(ids=prompt),
+                                          sampling=gen.SamplingParams(max_tokens=n, ignore_eos=True))
+            first = True
+            async for response in stub.Generate(request, timeout=600):
+                now = time.perf_counter()
+                if response.token_ids:
+                    (ttft.append(now - sent) if first else itl.append(now - last))
+                    first, last = False, now
+
+        await asyncio.gather(*(one(p, n, at) for (p, n), at in zip(jobs, arrivals)))
+        return time.perf_counter() - start, ttft, itl
+
+
+def measure_ferry(address, metrics_url, jobs, arrivals, name) -> dict:
+    samples, stop = [], threading.Event()
+    watcher = threading.Thread(target=kv_sampler, args=(metrics_url, stop, samples), daemon=True)
+    watcher.start()
+    wall, ttft, itl = asyncio.run(ferry_run(address, jobs, arrivals))
+    stop.set()
+    watcher.join()
+    kv = f"{np.mean(samples):.2f} / {np.max(samples):.2f}" if samples else ""
+    return summary(name, sum(n for _, n in jobs), wall, ttft, itl, kv_mean_max=kv)
+
+
+# ---------------------------------------------------------------- (d): transformers continuous batching
+def measure_transformers(folder: Path, jobs, arrivals: list[float], name: str) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=128, eos_token_id=-1)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    for prompt, n in jobs[:4]:  # warm up, as Ferry's run is
+        manager.add_request(prompt, max_new_tokens=n, eos_token_id=-1)
+    for _ in range(4):
+        manager.get_result(timeout=600)
+    sent = {}
+    start = time.perf_counter()
+    for i, ((prompt, n), at) in enumerate(zip(jobs, arrivals)):
+        time.sleep(max(0.0, start + at - time.perf_counter()))
+        rid = manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n, record_timestamps=True, eos_token_id=-1)
+        sent[rid] = time.perf_counter()
+    ttft, itl, done, tokens = [], [], 0, 0
+    while done < len(jobs):
+        result = manager.get_result(timeout=600)
+        if result is None or not result.is_finished():
+            continue
+        done += 1
+        tokens += len(result.generated_tokens)
+        stamps = result.timestamps or []
+        if stamps:
+            ttft.append(stamps[0] - sent[result.request_id])
+            itl.extend(np.diff(stamps).tolist())
+    wall = time.perf_counter() - start
+    manager.stop(block=True)
+    return summary(name, tokens, wall, ttft, itl)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--rates", default="2,4", help="Poisson arrival rates, requests/s")
+    parser.add_argument("--no-record", action="store_true")
+    args = parser.parse_args()
+    jobs = workload(args.requests)
+    rates = [float(r) for r in args.rates.split(",")]
+    poisson = {r: np.cumsum(np.random.default_rng(1).exponential(1 / r, size=len(jobs))).tolist() for r in rates}
+    at_once = [0.0] * len(jobs)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        folder = repo / "bench" / "1"
+        build_model(folder)
+        (repo / "bench" / "config.yaml").write_text(
+            "backend: llm\ngeneration: {block_size: 16, num_kv_blocks: 1024, max_num_seqs: 64, "
+            "max_num_batched_tokens: 1024, max_model_len: 1024}\n")
+        proc, address, metrics = start_ferry(repo)
+        try:
+            measure_ferry(address, metrics, jobs[:4], at_once[:4], "warmup")
+            rows.append(measure_ferry(address, metrics, jobs, at_once, "(a) Ferry gRPC, all at once"))
+            for r in rates:
+                rows.append(measure_ferry(address, metrics, jobs, poisson[r], f"(a) Ferry gRPC, Poisson {r:g}/s"))
+        finally:
+            proc.terminate()
+            proc.wait()
+        rows.append(run_batches(folder, jobs, STATIC_BATCH, f"(b) static batches of {STATIC_BATCH}, all at once"))
+        rows.append(run_batches(folder, jobs, len(jobs), f"(b) static, one batch of {len(jobs)}, all at once"))
+        rows.append(run_batches(folder, jobs, 1, "(c) one at a time"))
+        rows.append(measure_transformers(folder, jobs, at_once, "(d) transformers CB, all at once"))
+        for r in rates:
+            rows.append(measure_transformers(folder, jobs, poisson[r], f"(d) transformers CB, Poisson {r:g}/s"))
+    for row in rows:
+        print(row, flush=True)
+    by = {r["mode"]: r["output_tok_s"] for r in rows}
+    ferry = by["(a) Ferry gRPC, all at once"]
+    lines = [
+        f"Workload: {len(jobs)} requests, prompts 8-256 tokens, outputs 8-128 tokens (30% long), random tokens; "
+        "model: Llama, 4 layers, hidden 256, vocab 2048, float32 on the CPU.", "",
+        common.table(rows, ["mode", "output_tok_s", "wall_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "kv_mean_max"]),
+        "", f"- Ferry (continuous, over gRPC) / static batching: {ferry / by[f'(b) static batches of {STATIC_BATCH}, all at once']:.2f}x tokens/s "
+        f"with batches of {STATIC_BATCH}, {ferry / by[f'(b) static, one batch of {len(jobs)}, all at once']:.2f}x with one batch of all "
+        "(target >= 2x)",
+        f"- Ferry / one at a time: {ferry / by['(c) one at a time']:.2f}x",
+        f"- Ferry / transformers continuous batching: {ferry / by['(d) transformers CB, all at once']:.2f}x (target >= 1x)",
+    ]
+    report = "\n".join(lines)
+    print(report)
+    if not args.no_record:
+        common.append_results("Generation (bench/generation.py)", report)
+
+
+if __name__ == "__main__":
+    main()

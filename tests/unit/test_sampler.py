@@ -1,0 +1,36 @@
+"""Next-token sampling: filters keep the right tokens and seeds make draws reproducible."""
+
+from __future__ import annotations
+
+import torch
+
+from server.backends.llm.sampler import _filtered_probs, sample
+from server.scheduling.sequence import SamplingParams
+
+LOGITS = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+
+
+def test_greedy_is_argmax_for_every_row():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 1.0]])
+    assert sample(logits, [SamplingParams(), SamplingParams()], [0, 0], torch.Generator()) == [1, 0]
+
+
+def test_top_k_and_top_p_keep_only_the_head_of_the_distribution():
+    probs = _filtered_probs(LOGITS, [SamplingParams(temperature=1.0, top_k=2)])
+    assert (probs[0, 2:] == 0).all() and probs[0, :2].sum().item() == 1.0
+    full = LOGITS.softmax(-1)[0]
+    probs = _filtered_probs(LOGITS, [SamplingParams(temperature=1.0, top_p=float(full[0] + 0.01))])
+    assert (probs[0, 2:] == 0).all() and (probs[0, :2] > 0).all()  # the smallest prefix reaching top_p
+    probs = _filtered_probs(LOGITS, [SamplingParams(temperature=1.0, top_p=0.01)])
+    assert probs[0, 0] == 1.0  # the most likely token always survives
+
+
+def test_seeded_draws_depend_on_seed_and_position_only():
+    logits = torch.zeros(1, 1000)  # uniform: any token is possible
+    params = SamplingParams(temperature=1.0, seed=42)
+    first = [sample(logits, [params], [p], torch.Generator().manual_seed(p)) for p in range(8)]
+    again = [sample(torch.cat([torch.zeros(1, 1000), logits]), [SamplingParams(), params], [0, p],
+                    torch.Generator().manual_seed(99))[1] for p in range(8)]  # another row in the batch
+    assert [f[0] for f in first] == again
+    other = [sample(logits, [SamplingParams(temperature=1.0, seed=43)], [p], torch.Generator())[0] for p in range(8)]
+    assert other != again
