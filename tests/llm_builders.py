@@ -29,7 +29,7 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
 
 
 def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512) -> Path:
-    """Save a random `family` model (llama or qwen2) with transformers' save_pretrained, and a tokenizer."""
+    """Save a random `family` model (llama, mistral or qwen2) with transformers' save_pretrained, and a tokenizer."""
     import torch
     import transformers
 
@@ -40,6 +40,9 @@ def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int 
     if family == "llama":
         config = transformers.LlamaConfig(**common, rope_theta=10000.0)
         model_cls = transformers.LlamaForCausalLM
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+        model_cls = transformers.MistralForCausalLM
     elif family == "qwen2":
         config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1e6)
         model_cls = transformers.Qwen2ForCausalLM

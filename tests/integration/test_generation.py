@@ -32,6 +32,8 @@ def env(tmp_path_factory):
     (repo / "llama" / "config.yaml").write_text(llm_builders.llm_config(max_num_batched_tokens=48))
     llm_builders.build_model(repo / "qwen" / "1", "qwen2")
     (repo / "qwen" / "config.yaml").write_text(llm_builders.llm_config(max_num_batched_tokens=48))
+    llm_builders.build_model(repo / "mistral" / "1", "mistral")
+    (repo / "mistral" / "config.yaml").write_text(llm_builders.llm_config(max_num_batched_tokens=48))
     shutil.copytree(llama, repo / "tight" / "1")  # same weights, a KV pool too small for everyone at once
     (repo / "tight" / "config.yaml").write_text(llm_builders.llm_config(num_kv_blocks=40, max_num_batched_tokens=64))
     shutil.copytree(llama, repo / "single" / "1")  # one sequence at a time: others must wait
@@ -61,7 +63,7 @@ def tokens(responses) -> list[int]:
     return [t for r in responses for t in r.token_ids]
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen"])
+@pytest.mark.parametrize("model", ["llama", "qwen", "mistral"])
 def test_sixteen_concurrent_streams_match_transformers_greedy(env, model):
     server, repo = env
     cases = requests_for(1, 16)
