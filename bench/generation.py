@@ -6,8 +6,8 @@ One run, one locally saved random Llama (transformers' save_pretrained), one set
 prompts of mixed lengths, and four ways to serve them:
   (a) Ferry over gRPC (continuous batching, paged KV cache), all at once and at Poisson rates;
   (b) static batching on the same engine: batches of 16 (and one batch of everything) in arrival order,
-      each run until its longest member is done (every member decodes that long, no one joins mid-batch;
-      prompts are not padded, which favours static batching slightly);
+      prompts padded to the batch's longest, each batch run until its longest member is done (every
+      member decodes that long, no one joins mid-batch);
   (c) one request at a time on the same engine;
   (d) transformers' own continuous batching (`init_continuous_batching`), same model and prompts.
 Figures: output tokens/s (useful tokens only), time to first token and inter-token latency p50/p99,
@@ -43,7 +43,7 @@ def build_model(folder: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
                                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                                       bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
@@ -89,7 +89,8 @@ def engine(folder: Path, max_seqs: int):
 
 
 def run_batches(folder: Path, jobs, batch: int, name: str) -> dict:
-    """Admit `batch` requests together and run them until the longest is done; then the next batch."""
+    """Admit `batch` requests together and run them until the longest is done; then the next batch.
+    With batch 1 this is serving one request at a time (nothing to pad)."""
     from server.scheduling.sequence import SamplingParams, Sequence
 
     backend, scheduler = engine(folder, batch)
@@ -98,8 +99,10 @@ def run_batches(folder: Path, jobs, batch: int, name: str) -> dict:
     for i in range(0, len(jobs), batch):
         group = jobs[i : i + batch]
         longest = max(n for _, n in group)
-        seqs = [Sequence(i + j, list(p), len(p), SamplingParams(max_tokens=longest, ignore_eos=True))
-                for j, (p, _) in enumerate(group)]
+        width = max(len(p) for p, _ in group)
+        padded = [[0] * (width - len(p)) + p for p, _ in group]  # prompts padded to the longest, as a static batch is
+        seqs = [Sequence(i + j, p, len(p), SamplingParams(max_tokens=longest, ignore_eos=True))
+                for j, p in enumerate(padded)]
         for seq in seqs:
             scheduler.submit(seq)
         last = {}
@@ -252,7 +255,8 @@ def main() -> None:
     ferry = by["(a) Ferry gRPC, all at once"]
     lines = [
         f"Workload: {len(jobs)} requests, prompts 8-256 tokens, outputs 8-128 tokens (30% long), random tokens; "
-        "model: Llama, 4 layers, hidden 256, vocab 2048, float32 on the CPU.", "",
+        "model: Llama, 6 layers, hidden 512 (about 20M parameters, so per-token compute matters), vocab 2048, "
+        "float32 on the CPU.", "",
         common.table(rows, ["mode", "output_tok_s", "wall_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "kv_mean_max"]),
         "", f"- Ferry (continuous, over gRPC) / static batching: {ferry / by[f'(b) static batches of {STATIC_BATCH}, all at once']:.2f}x tokens/s "
         f"with batches of {STATIC_BATCH}, {ferry / by[f'(b) static, one batch of {len(jobs)}, all at once']:.2f}x with one batch of all "
