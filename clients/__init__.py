@@ -1,1 +1,12 @@
-"""Ferry clients: a Python client library and the ferry command line (see issue 6)."""
+"""Ferry clients: the Python client library (blocking and asyncio), the `ferry` subcommands and `ferry perf`."""
+
+from clients.aio import AsyncInferenceClient
+from clients.client import InferenceClient
+from clients.connection import TlsOptions
+from clients.errors import FerryClientError
+from clients.messages import GenerateDelta, ModelIndex, ModelMetadata, ServerMetadata, TensorSpec, Timings, Usage
+
+__all__ = [
+    "AsyncInferenceClient", "FerryClientError", "GenerateDelta", "InferenceClient", "ModelIndex", "ModelMetadata",
+    "ServerMetadata", "TensorSpec", "Timings", "TlsOptions", "Usage",
+]

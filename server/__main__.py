@@ -7,8 +7,8 @@ import asyncio
 import logging
 from pathlib import Path
 
+from clients.cli import add_client_commands
 from server import __version__
-from server.app import ServerConfig, run
 from server.rpc.server import MAX_MESSAGE_BYTES, RpcOptions
 
 
@@ -34,7 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--version", action="version", version=f"ferry {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    add_client_commands(sub)  # models, health, infer, generate, perf
     args = parser.parse_args(argv)
+    if args.command != "serve":
+        raise SystemExit(args.run(args))
+    from server.app import ServerConfig, run  # here, so client commands never import torch
+
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.model_repository.is_dir():
         parser.error(f"--model-repository {args.model_repository} is not a folder")
