@@ -14,17 +14,23 @@ import numpy as np
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
+from server import datatypes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 
-def start_server(cmd: list[str], timeout_s: float = 120) -> tuple[subprocess.Popen, str]:
-    """Start a server that prints `ferry: serving gRPC on HOST:PORT` and `ferry: ready`."""
+def start_server(cmd: list[str], timeout_s: float = 120, lines: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a server that prints `ferry: serving gRPC on HOST:PORT` and `ferry: ready`.
+
+    `lines`, when given, receives what it printed up to `ready` (e.g. the metrics address).
+    """
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     address = None
     for line in proc.stdout:
+        if lines is not None:
+            lines.append(line)
         found = re.search(r"ferry: serving gRPC on (\S+)", line)
         if found:
             address = found.group(1)
@@ -48,7 +54,7 @@ def ferry_command(repo: Path, *extra: str) -> list[str]:
 def infer_payload(model: str, inputs: dict[str, np.ndarray]) -> bytes:
     request = pb.ModelInferRequest(model_name=model)
     for name, array in inputs.items():
-        request.inputs.add(name=name, datatype={"float32": "FP32"}[str(array.dtype)], shape=array.shape)
+        request.inputs.add(name=name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)
         request.raw_input_contents.append(array.tobytes())
     return request.SerializeToString()
 

@@ -50,3 +50,53 @@ def heavy_encoder(path: Path, seed: int = 0) -> Path:
               helper.make_node("MatMul", ["pooled", "Head"], ["y"])]
     return _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 32, 512])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits, path)
+
+
+def token_encoder(path: Path, vocab: int = 1000, width: int = 64, layers: int = 2, seed: int = 0) -> Path:
+    """ids [-1, L] INT64 + lengths [-1, 1] -> self-attention encoder -> mean over the true tokens -> y [-1, 16].
+
+    Cost grows with L (attention: with L^2). Keys past a row's length are masked out of attention and
+    its padded positions out of the mean, so a padded batch answers exactly what each row alone would.
+    """
+    rng = np.random.default_rng(seed)
+    inits = [_weights(rng, "embed", (vocab, width)), _weights(rng, "head", (width, 16)),
+             numpy_helper.from_array(np.array(1.0 / np.sqrt(width), np.float32), "scale"),
+             numpy_helper.from_array(np.array(-1e4, np.float32), "neg"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "onef"),
+             *(numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (
+                 ("zero", 0), ("one", 1), ("ax1", [1]), ("ax2", [2])))]
+    node = helper.make_node
+    nodes = [
+        node("Gather", ["embed", "ids"], ["h0"]),  # [B, L, width]
+        node("Shape", ["ids"], ["shape"]), node("Gather", ["shape", "one"], ["L"]),
+        node("Range", ["zero", "L", "one"], ["pos"]),  # [L]
+        node("Less", ["pos", "lengths"], ["valid"]),  # [B, L]
+        node("Cast", ["valid"], ["validf"], to=TensorProto.FLOAT),
+        node("Sub", ["onef", "validf"], ["invalid"]), node("Mul", ["invalid", "neg"], ["bias2"]),
+        node("Unsqueeze", ["bias2", "ax1"], ["bias"]),  # [B, 1, L]: padded keys get -1e4
+    ]
+    prev = "h0"
+    for i in range(layers):
+        for w in ("q", "k", "v"):
+            inits.append(_weights(rng, f"W{w}{i}", (width, width)))
+            nodes.append(node("MatMul", [prev, f"W{w}{i}"], [f"{w}{i}"]))
+        inits += [_weights(rng, f"Up{i}", (width, 4 * width)), _weights(rng, f"Down{i}", (4 * width, width))]
+        nodes += [
+            node("Transpose", [f"k{i}"], [f"kt{i}"], perm=[0, 2, 1]),
+            node("MatMul", [f"q{i}", f"kt{i}"], [f"s{i}"]),  # [B, L, L]
+            node("Mul", [f"s{i}", "scale"], [f"ss{i}"]), node("Add", [f"ss{i}", "bias"], [f"sb{i}"]),
+            node("Softmax", [f"sb{i}"], [f"p{i}"], axis=-1),
+            node("MatMul", [f"p{i}", f"v{i}"], [f"a{i}"]), node("Add", [prev, f"a{i}"], [f"r{i}"]),
+            node("MatMul", [f"r{i}", f"Up{i}"], [f"u{i}"]), node("Relu", [f"u{i}"], [f"g{i}"]),
+            node("MatMul", [f"g{i}", f"Down{i}"], [f"d{i}"]), node("Add", [f"r{i}", f"d{i}"], [f"h{i + 1}"]),
+        ]
+        prev = f"h{i + 1}"
+    nodes += [
+        node("Unsqueeze", ["validf", "ax2"], ["valid3"]), node("Mul", [prev, "valid3"], ["kept"]),
+        node("ReduceSum", ["kept", "ax1"], ["total"], keepdims=0),  # [B, width]
+        node("Cast", ["lengths"], ["lengthf"], to=TensorProto.FLOAT), node("Div", ["total", "lengthf"], ["pooled"]),
+        node("MatMul", ["pooled", "head"], ["y"]),
+    ]
+    inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "L"]),
+              helper.make_tensor_value_info("lengths", TensorProto.INT64, ["batch", 1])]
+    return _save(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits, path)

@@ -106,7 +106,7 @@ class ModelTensorReshape(_message.Message):
     def __init__(self, shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInput(_message.Message):
-    __slots__ = ("name", "data_type", "format", "dims", "reshape", "is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io")
+    __slots__ = ("name", "data_type", "format", "dims", "reshape", "is_shape_tensor", "allow_ragged_batch", "optional", "is_non_linear_format_io", "variable_length", "padding_value", "lengths_input", "mask_input")
     class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FORMAT_NONE: _ClassVar[ModelInput.Format]
@@ -124,6 +124,10 @@ class ModelInput(_message.Message):
     ALLOW_RAGGED_BATCH_FIELD_NUMBER: _ClassVar[int]
     OPTIONAL_FIELD_NUMBER: _ClassVar[int]
     IS_NON_LINEAR_FORMAT_IO_FIELD_NUMBER: _ClassVar[int]
+    VARIABLE_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PADDING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_INPUT_FIELD_NUMBER: _ClassVar[int]
+    MASK_INPUT_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
     format: ModelInput.Format
@@ -133,10 +137,14 @@ class ModelInput(_message.Message):
     allow_ragged_batch: bool
     optional: bool
     is_non_linear_format_io: bool
-    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., format: _Optional[_Union[ModelInput.Format, str]] = ..., dims: _Optional[_Iterable[int]] = ..., reshape: _Optional[_Union[ModelTensorReshape, _Mapping]] = ..., is_shape_tensor: _Optional[bool] = ..., allow_ragged_batch: _Optional[bool] = ..., optional: _Optional[bool] = ..., is_non_linear_format_io: _Optional[bool] = ...) -> None: ...
+    variable_length: bool
+    padding_value: float
+    lengths_input: str
+    mask_input: str
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., format: _Optional[_Union[ModelInput.Format, str]] = ..., dims: _Optional[_Iterable[int]] = ..., reshape: _Optional[_Union[ModelTensorReshape, _Mapping]] = ..., is_shape_tensor: _Optional[bool] = ..., allow_ragged_batch: _Optional[bool] = ..., optional: _Optional[bool] = ..., is_non_linear_format_io: _Optional[bool] = ..., variable_length: _Optional[bool] = ..., padding_value: _Optional[float] = ..., lengths_input: _Optional[str] = ..., mask_input: _Optional[str] = ...) -> None: ...
 
 class ModelOutput(_message.Message):
-    __slots__ = ("name", "data_type", "dims", "label_filename", "reshape", "is_shape_tensor", "is_non_linear_format_io")
+    __slots__ = ("name", "data_type", "dims", "label_filename", "reshape", "is_shape_tensor", "is_non_linear_format_io", "variable_length")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DATA_TYPE_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +152,7 @@ class ModelOutput(_message.Message):
     RESHAPE_FIELD_NUMBER: _ClassVar[int]
     IS_SHAPE_TENSOR_FIELD_NUMBER: _ClassVar[int]
     IS_NON_LINEAR_FORMAT_IO_FIELD_NUMBER: _ClassVar[int]
+    VARIABLE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     data_type: DataType
     dims: _containers.RepeatedScalarFieldContainer[int]
@@ -151,7 +160,8 @@ class ModelOutput(_message.Message):
     reshape: ModelTensorReshape
     is_shape_tensor: bool
     is_non_linear_format_io: bool
-    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., label_filename: _Optional[str] = ..., reshape: _Optional[_Union[ModelTensorReshape, _Mapping]] = ..., is_shape_tensor: _Optional[bool] = ..., is_non_linear_format_io: _Optional[bool] = ...) -> None: ...
+    variable_length: bool
+    def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., label_filename: _Optional[str] = ..., reshape: _Optional[_Union[ModelTensorReshape, _Mapping]] = ..., is_shape_tensor: _Optional[bool] = ..., is_non_linear_format_io: _Optional[bool] = ..., variable_length: _Optional[bool] = ...) -> None: ...
 
 class BatchInput(_message.Message):
     __slots__ = ("kind", "target_name", "data_type", "source_input")
@@ -595,7 +605,7 @@ class ModelMetrics(_message.Message):
     def __init__(self, metric_control: _Optional[_Iterable[_Union[ModelMetrics.MetricControl, _Mapping]]] = ...) -> None: ...
 
 class ModelConfig(_message.Message):
-    __slots__ = ("name", "platform", "version_policy", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "cc_model_filenames", "metric_tags", "dynamic_batching", "sequence_batching", "ensemble_scheduling", "optimization", "parameters", "model_warmup", "backend", "model_operations", "model_transaction_policy", "batch_input", "batch_output", "model_repository_agents", "response_cache", "runtime", "model_metrics", "generation")
+    __slots__ = ("name", "platform", "version_policy", "max_batch_size", "input", "output", "instance_group", "default_model_filename", "cc_model_filenames", "metric_tags", "dynamic_batching", "sequence_batching", "ensemble_scheduling", "optimization", "parameters", "model_warmup", "backend", "model_operations", "model_transaction_policy", "batch_input", "batch_output", "model_repository_agents", "response_cache", "runtime", "model_metrics", "generation", "binpack_batching")
     class CcModelFilenamesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -643,6 +653,7 @@ class ModelConfig(_message.Message):
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     MODEL_METRICS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BINPACK_BATCHING_FIELD_NUMBER: _ClassVar[int]
     name: str
     platform: str
     version_policy: ModelVersionPolicy
@@ -669,7 +680,30 @@ class ModelConfig(_message.Message):
     runtime: str
     model_metrics: ModelMetrics
     generation: ModelGeneration
-    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., cc_model_filenames: _Optional[_Mapping[str, str]] = ..., metric_tags: _Optional[_Mapping[str, str]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., sequence_batching: _Optional[_Union[ModelSequenceBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ..., optimization: _Optional[_Union[ModelOptimizationPolicy, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., model_warmup: _Optional[_Iterable[_Union[ModelWarmup, _Mapping]]] = ..., backend: _Optional[str] = ..., model_operations: _Optional[_Union[ModelOperations, _Mapping]] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ..., batch_input: _Optional[_Iterable[_Union[BatchInput, _Mapping]]] = ..., batch_output: _Optional[_Iterable[_Union[BatchOutput, _Mapping]]] = ..., model_repository_agents: _Optional[_Union[ModelRepositoryAgents, _Mapping]] = ..., response_cache: _Optional[_Union[ModelResponseCache, _Mapping]] = ..., runtime: _Optional[str] = ..., model_metrics: _Optional[_Union[ModelMetrics, _Mapping]] = ..., generation: _Optional[_Union[ModelGeneration, _Mapping]] = ...) -> None: ...
+    binpack_batching: ModelBinPacking
+    def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., cc_model_filenames: _Optional[_Mapping[str, str]] = ..., metric_tags: _Optional[_Mapping[str, str]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., sequence_batching: _Optional[_Union[ModelSequenceBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ..., optimization: _Optional[_Union[ModelOptimizationPolicy, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., model_warmup: _Optional[_Iterable[_Union[ModelWarmup, _Mapping]]] = ..., backend: _Optional[str] = ..., model_operations: _Optional[_Union[ModelOperations, _Mapping]] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ..., batch_input: _Optional[_Iterable[_Union[BatchInput, _Mapping]]] = ..., batch_output: _Optional[_Iterable[_Union[BatchOutput, _Mapping]]] = ..., model_repository_agents: _Optional[_Union[ModelRepositoryAgents, _Mapping]] = ..., response_cache: _Optional[_Union[ModelResponseCache, _Mapping]] = ..., runtime: _Optional[str] = ..., model_metrics: _Optional[_Union[ModelMetrics, _Mapping]] = ..., generation: _Optional[_Union[ModelGeneration, _Mapping]] = ..., binpack_batching: _Optional[_Union[ModelBinPacking, _Mapping]] = ...) -> None: ...
+
+class ModelBinPacking(_message.Message):
+    __slots__ = ("cost_model", "bucket_boundaries", "num_buckets", "learning_window", "max_batch_cost", "stretch")
+    class CostModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        LINEAR: _ClassVar[ModelBinPacking.CostModel]
+        QUADRATIC: _ClassVar[ModelBinPacking.CostModel]
+    LINEAR: ModelBinPacking.CostModel
+    QUADRATIC: ModelBinPacking.CostModel
+    COST_MODEL_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_COST_FIELD_NUMBER: _ClassVar[int]
+    STRETCH_FIELD_NUMBER: _ClassVar[int]
+    cost_model: ModelBinPacking.CostModel
+    bucket_boundaries: _containers.RepeatedScalarFieldContainer[float]
+    num_buckets: int
+    learning_window: int
+    max_batch_cost: float
+    stretch: float
+    def __init__(self, cost_model: _Optional[_Union[ModelBinPacking.CostModel, str]] = ..., bucket_boundaries: _Optional[_Iterable[float]] = ..., num_buckets: _Optional[int] = ..., learning_window: _Optional[int] = ..., max_batch_cost: _Optional[float] = ..., stretch: _Optional[float] = ...) -> None: ...
 
 class ModelGeneration(_message.Message):
     __slots__ = ("block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "max_waiting", "default_max_tokens")

@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 _LATENCY_BUCKETS_US = (100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000, 5_000_000)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -65,6 +66,9 @@ class ModelStats:
         self.failures: Counter[str] = Counter()  # by reason: REJECTED, BACKEND, CANCELED
         self.deadline_misses = self.pending = self.window_ns = 0
         self.batches: dict[int, BatchTimes] = {}
+        self.padded_elements = self.computed_elements = 0  # positions along a variable length
+        self.bucket_batches: dict[int, Counter[int]] = {}  # cost bucket -> batch size -> batches
+        self.buckets: list[tuple[float, int]] = []  # (upper cost bound, requests waiting) per bucket
         self._lock = threading.Lock()  # the metrics HTTP thread reads while the loop writes
         self._hist = None
         if histograms is not None:
@@ -72,8 +76,13 @@ class ModelStats:
             self._hist = {name: getattr(histograms, name).labels(**labels)
                           for name in ("batch_size", "queue_us", "compute_us", "request_us")}
 
-    def record_batch(self, rows: int, requests: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+    def record_batch(self, rows: int, requests: int, input_ns: int, infer_ns: int, output_ns: int,
+                     padded: int = 0, computed: int = 0, bucket: int | None = None) -> None:
         with self._lock:
+            self.padded_elements += padded
+            self.computed_elements += computed
+            if bucket is not None:
+                self.bucket_batches.setdefault(bucket, Counter())[rows] += 1
             self.execution_count += 1
             self.inference_count += rows
             times = self.batches.setdefault(rows, BatchTimes())
@@ -109,8 +118,10 @@ class ModelStats:
         with self._lock:
             self.deadline_misses += 1
 
-    def set_queue(self, pending: int, window_ns: int) -> None:
+    def set_queue(self, pending: int, window_ns: int, buckets: list[tuple[float, int]] | None = None) -> None:
         self.pending, self.window_ns = pending, window_ns
+        if buckets:
+            self.buckets = buckets  # rebound, never mutated: a scrape reads a whole list
 
     def snapshot(self) -> dict:
         """A consistent copy, for the statistics RPC and the Prometheus page."""
@@ -124,6 +135,9 @@ class ModelStats:
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
                 "last_inference": self.last_inference_ms, "failures": dict(self.failures),
                 "deadline_misses": self.deadline_misses, "pending": self.pending, "window_ns": self.window_ns,
+                "padded_elements": self.padded_elements, "computed_elements": self.computed_elements,
+                "bucket_batches": {b: dict(sizes) for b, sizes in sorted(self.bucket_batches.items())},
+                "buckets": list(self.buckets),
                 "batches": {
                     size: {k: (getattr(t, k).count, getattr(t, k).ns) for k in ("compute_input", "compute_infer", "compute_output")}
                     for size, t in sorted(self.batches.items())
@@ -144,6 +158,12 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
     ("nv_inference_pending_request_count", "gauge", "Requests queued, not yet executing", lambda s: s["pending"]),
     ("ferry_deadline_misses", "counter", "Requests whose deadline passed while queued (rejected or run late)", lambda s: s["deadline_misses"]),
     ("ferry_batch_window_ms", "gauge", "Batching window in force (adaptive or fixed)", lambda s: s["window_ns"] / 1e6),
+    ("ferry_padding_elements", "counter", "Positions along a variable length that were padding (rows x padded length - true lengths)",
+     lambda s: s["padded_elements"]),
+    ("ferry_computed_elements", "counter", "Positions along a variable length computed in batches (rows x padded length)",
+     lambda s: s["computed_elements"]),
+    ("ferry_padding_waste_ratio", "gauge", "Padding waste: padded / computed positions since start (0 before any)",
+     lambda s: s["padded_elements"] / s["computed_elements"] if s["computed_elements"] else 0.0),
 ]
 FAILURE_REASONS = ("REJECTED", "BACKEND", "CANCELED", "OTHER")
 
@@ -167,3 +187,24 @@ class StatsCollector(Collector):
                 labels = {"model": stats.model, "version": str(stats.version), "reason": reason}
                 failure.add_sample("nv_inference_request_failure", labels, snap["failures"].get(reason, 0))
         yield failure
+        yield from _bucket_families(snapshots)
+
+
+def _bucket_families(snapshots: list[tuple[ModelStats, dict]]):
+    """Per cost bucket (binpack models only): queue depth, upper cost bound, batch sizes."""
+    depth = Metric("ferry_bucket_queue_depth", "Requests waiting, per cost bucket", "gauge")
+    bound = Metric("ferry_bucket_upper_cost", "Upper cost bound of each bucket in force (+Inf for the last)", "gauge")
+    sizes = Metric("ferry_bucket_batch_size", "Rows per executed batch, per cost bucket", "histogram")
+    for stats, snap in snapshots:
+        model = {"model": stats.model, "version": str(stats.version)}
+        for i, (upper, waiting) in enumerate(snap["buckets"]):
+            depth.add_sample("ferry_bucket_queue_depth", {**model, "bucket": str(i)}, waiting)
+            bound.add_sample("ferry_bucket_upper_cost", {**model, "bucket": str(i)}, upper)
+        for bucket, counts in snap["bucket_batches"].items():
+            labels = {**model, "bucket": str(bucket)}
+            for le in (*_BATCH_BUCKETS, float("inf")):
+                below = sum(n for size, n in counts.items() if size <= le)
+                sizes.add_sample("ferry_bucket_batch_size_bucket", {**labels, "le": floatToGoString(le)}, below)
+            sizes.add_sample("ferry_bucket_batch_size_count", labels, sum(counts.values()))
+            sizes.add_sample("ferry_bucket_batch_size_sum", labels, sum(size * n for size, n in counts.items()))
+    yield from (depth, bound, sizes)

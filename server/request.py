@@ -31,6 +31,9 @@ class InferRequest:
     enqueue_ns: int = 0
     sequence: int = 0  # admission order, set by the queue; ties broken by it
     timeout_action: str = "REJECT"  # what the queue does at the deadline: REJECT or DELAY
+    length: int = 0  # along the model's variable-length dimension (0: the model has none)
+    cost: float = 0.0  # the request's `cost` parameter, per row (0: derive it from the length)
+    group_key: tuple | None = None  # the queue group holding it; written only by scheduling.queue
     slot: Any = None  # the queue lane holding it while queued; written only by scheduling.queue
     lane: int = 0  # that lane's rank: level - 1, or one past the lowest level once DELAYed
     future: Any = None  # completion handle owned by the model runner; opaque to schedulers
@@ -45,6 +48,7 @@ class Batch:
 
     requests: list[InferRequest]
     batched: bool  # True: join along dim 0; False: the single request runs as sent
+    bucket: int | None = None  # the cost bucket it was drawn from (binpack), for the metrics page
 
     @property
     def size(self) -> int:

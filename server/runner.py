@@ -80,7 +80,7 @@ class ModelRunner:
                 if batch is None:
                     break
                 self._dispatch(batch, now)
-            self.stats.set_queue(len(self.scheduler), self.scheduler.window_ns())
+            self.stats.set_queue(len(self.scheduler), self.scheduler.window_ns(), self.scheduler.buckets())
             self._wake.clear()
             wake_ns = self.scheduler.next_event_ns(now)
             timer = None
@@ -122,7 +122,8 @@ class ModelRunner:
                 self._fail(request, exc)
         else:
             done = time.monotonic_ns()
-            self.stats.record_batch(batch.size, len(batch.requests), result.input_ns, result.infer_ns, result.output_ns)
+            self.stats.record_batch(batch.size, len(batch.requests), result.input_ns, result.infer_ns, result.output_ns,
+                                    result.padding.padded, result.padding.computed, batch.bucket)
             self.scheduler.complete(batch, done - started, done)
             for request, outputs in zip(batch.requests, result.outputs):
                 self._finish(request, _setter(request, outputs))

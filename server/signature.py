@@ -13,6 +13,7 @@ import numpy as np
 from protos import model_config_pb2 as mc
 from server import datatypes
 from server.errors import InvalidInputError
+from server.padding import Padding
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +31,9 @@ class TensorSpec:
 class Signature:
     model: str
     max_batch_size: int
-    inputs: dict[str, TensorSpec]
+    inputs: dict[str, TensorSpec]  # what clients send (inputs the server fills are left out)
     outputs: dict[str, TensorSpec]
+    padding: Padding | None = None  # variable-length inputs: requests of different lengths join
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig) -> Signature:
@@ -39,11 +41,14 @@ class Signature:
             dtype = datatypes.BY_CONFIG[mc.DataType.Name(t.data_type)]
             return TensorSpec(t.name, dtype, tuple(t.dims), getattr(t, "optional", False))
 
+        padding = Padding.from_config(config)
+        filled = padding.filled if padding else frozenset()
         return cls(
             model=config.name,
             max_batch_size=config.max_batch_size,
-            inputs={t.name: spec(t) for t in config.input},
+            inputs={t.name: spec(t) for t in config.input if t.name not in filled},
             outputs={t.name: spec(t) for t in config.output},
+            padding=padding,
         )
 
     @property
@@ -53,6 +58,8 @@ class Signature:
     def check_inputs(self, inputs: dict[str, np.ndarray]) -> tuple[int, tuple]:
         """Validate decoded inputs; return (batch size, key of shapes that must match to join)."""
         for name in inputs:
+            if self.padding and name in self.padding.filled:
+                raise InvalidInputError(f"input '{name}' of model '{self.model}' is filled in by the server; do not send it")
             if name not in self.inputs:
                 raise InvalidInputError(
                     f"unexpected input '{name}' for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
@@ -78,7 +85,7 @@ class Signature:
                 batch_sizes.add(shape[0])
                 shape = shape[1:]
             self._check_dims(spec, shape, value.shape)
-            key.append((name, shape))
+            key.append((name, self.padding.join_shape(name, shape) if self.padding else shape))
         if len(batch_sizes) > 1:
             raise InvalidInputError(f"inputs of model '{self.model}' disagree on the batch size: {sorted(batch_sizes)}")
         batch_size = batch_sizes.pop() if batch_sizes else 1
@@ -87,6 +94,10 @@ class Signature:
                 f"batch size {batch_size} exceeds max_batch_size {self.max_batch_size} of model '{self.model}'"
             )
         return batch_size, tuple(key)
+
+    def length(self, inputs: dict[str, np.ndarray]) -> int:
+        """A checked request's length along the variable dimension (0 where the model has none)."""
+        return self.padding.length(inputs) if self.padding else 0
 
     def check_outputs(self, requested: tuple[str, ...]) -> None:
         for name in requested:

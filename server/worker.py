@@ -11,6 +11,7 @@ import numpy as np
 
 from server.backends.base import Backend
 from server.errors import BackendError
+from server.padding import PadCount
 from server.request import Batch
 from server.signature import Signature
 
@@ -21,6 +22,7 @@ class BatchResult:
     input_ns: int
     infer_ns: int
     output_ns: int
+    padding: PadCount = PadCount()  # positions padded / computed along the variable length
 
 
 class Worker:
@@ -34,7 +36,11 @@ class Worker:
 
     def _execute(self, batch: Batch) -> BatchResult:
         t0 = time.monotonic_ns()
-        inputs = batch.gather_inputs()
+        padding = self.signature.padding
+        if padding is not None:
+            inputs, pad_count = padding.gather(batch.requests)
+        else:
+            inputs, pad_count = batch.gather_inputs(), PadCount()
         t1 = time.monotonic_ns()
         try:
             outputs = self.backend.execute(inputs)
@@ -45,7 +51,9 @@ class Worker:
         t2 = time.monotonic_ns()
         self._check(outputs)
         split = batch.scatter_outputs(outputs)
-        return BatchResult(split, t1 - t0, t2 - t1, time.monotonic_ns() - t2)
+        if padding is not None:
+            split = padding.trim(batch.requests, split)
+        return BatchResult(split, t1 - t0, t2 - t1, time.monotonic_ns() - t2, pad_count)
 
     def _check(self, outputs: dict[str, np.ndarray]) -> None:
         for name, spec in self.signature.outputs.items():

@@ -146,3 +146,55 @@ def gated_model(repo: Path, name: str, extra_yaml: str = "", gate: Path | None =
         lines.append("parameters: {" + ", ".join(f"{k}: {{string_value: '{v}'}}" for k, v in params.items()) + "}")
     (folder / "config.yaml").write_text("\n".join(lines) + "\n" + extra_yaml)
     return folder
+
+
+def padded_sum(path: Path) -> Path:
+    """A variable-length model whose answers depend on each row's true length, so padding that leaks shows.
+
+    X [batch, L, 2] FP32, LENGTHS [batch, 1] INT64 and MASK [batch, L] FP32 (both filled by the server) ->
+    SUM [batch, 2] (X summed over the first LENGTHS positions), MEAN [batch, 2] (X averaged under MASK),
+    Y [batch, L, 2] = 2X + 1 (per position, sliced back by the server), LEN [batch, 1] = LENGTHS.
+    """
+    consts = [helper.make_tensor(n, TensorProto.INT64, v.shape, v) for n, v in (
+        ("zero", np.array(0)), ("one", np.array(1)), ("ax0", np.array([0])), ("ax1", np.array([1])),
+        ("ax2", np.array([2])))]
+    consts += [helper.make_tensor("two", TensorProto.FLOAT, [], [2.0]), helper.make_tensor("onef", TensorProto.FLOAT, [], [1.0])]
+    nodes = [
+        helper.make_node("Shape", ["X"], ["shape"]),
+        helper.make_node("Gather", ["shape", "one"], ["L"]),
+        helper.make_node("Range", ["zero", "L", "one"], ["pos"]),  # [L]
+        helper.make_node("Unsqueeze", ["pos", "ax0"], ["pos_row"]),  # [1, L]
+        helper.make_node("Less", ["pos_row", "LENGTHS"], ["valid"]),  # [batch, L]
+        helper.make_node("Cast", ["valid"], ["validf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["validf", "ax2"], ["valid3"]),  # [batch, L, 1]
+        helper.make_node("Mul", ["X", "valid3"], ["masked"]),
+        helper.make_node("ReduceSum", ["masked", "ax1"], ["SUM"], keepdims=0),
+        helper.make_node("Unsqueeze", ["MASK", "ax2"], ["mask3"]),
+        helper.make_node("Mul", ["X", "mask3"], ["under_mask"]),
+        helper.make_node("ReduceSum", ["under_mask", "ax1"], ["mask_total"], keepdims=0),
+        helper.make_node("ReduceSum", ["MASK", "ax1"], ["mask_count"], keepdims=1),
+        helper.make_node("Div", ["mask_total", "mask_count"], ["MEAN"]),
+        helper.make_node("Mul", ["X", "two"], ["x2"]),
+        helper.make_node("Add", ["x2", "onef"], ["Y"]),
+        helper.make_node("Identity", ["LENGTHS"], ["LEN"]),
+    ]
+    ins = [tensor("X", TensorProto.FLOAT, ["batch", "L", 2]), tensor("LENGTHS", TensorProto.INT64, ["batch", 1]),
+           tensor("MASK", TensorProto.FLOAT, ["batch", "L"])]
+    outs = [tensor("SUM", TensorProto.FLOAT, ["batch", 2]), tensor("MEAN", TensorProto.FLOAT, ["batch", 2]),
+            tensor("Y", TensorProto.FLOAT, ["batch", "L", 2]), tensor("LEN", TensorProto.INT64, ["batch", 1])]
+    return save_onnx(nodes, ins, outs, path, consts)
+
+
+PADDED_SUM_CONFIG = """
+max_batch_size: 4
+input:
+  - {name: X, data_type: TYPE_FP32, dims: [-1, 2], variable_length: true, padding_value: 1000,
+     lengths_input: LENGTHS, mask_input: MASK}
+  - {name: LENGTHS, data_type: TYPE_INT64, dims: [1]}
+  - {name: MASK, data_type: TYPE_FP32, dims: [-1]}
+output:
+  - {name: SUM, data_type: TYPE_FP32, dims: [2]}
+  - {name: MEAN, data_type: TYPE_FP32, dims: [2]}
+  - {name: Y, data_type: TYPE_FP32, dims: [-1, 2], variable_length: true}
+  - {name: LEN, data_type: TYPE_INT64, dims: [1]}
+"""

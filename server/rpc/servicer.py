@@ -98,11 +98,14 @@ def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, re
     for name, value in (("priority", priority), ("timeout", timeout_us)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {value!r}")
+    cost = params.pop("cost", 0)  # per row, for cost-aware batching; 0: derived from the length
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
+        raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {cost!r}")
     return InferRequest(
         model_name=mv.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request.id,
         requested_outputs=requested, parameters=params, priority=priority, timeout_us=timeout_us,
         deadline_ns=arrival_ns + int(remaining_s * 1e9) if remaining_s is not None else None,
-        arrival_ns=arrival_ns,
+        arrival_ns=arrival_ns, length=mv.signature.length(inputs), cost=float(cost),
     )
 
 

@@ -42,6 +42,10 @@ class Scheduler(ABC):
         """The batching window in force, for the metrics page (0 where the policy has none)."""
         return 0
 
+    def buckets(self) -> list[tuple[float, int]]:
+        """(upper cost bound, requests waiting) per cost bucket, for the metrics page; [] where the policy has none."""
+        return []
+
     @abstractmethod
     def __len__(self) -> int:
         """Requests waiting."""

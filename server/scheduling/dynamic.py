@@ -9,6 +9,7 @@ closes (a fixed `max_queue_delay`, or the adaptive window of adaptive.py), then 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from server.request import Batch, InferRequest
@@ -41,7 +42,7 @@ class DynamicBatcher(Scheduler):
         return len(self.queue)
 
     def submit(self, request: InferRequest, now_ns: int) -> None:
-        self.queue.push(request, now_ns)
+        self.queue.push(request, now_ns, self._group_key(request))
         self.window.on_arrival(now_ns, self._in_system)
 
     def complete(self, batch: Batch, exec_ns: int | None, now_ns: int) -> None:
@@ -64,11 +65,11 @@ class DynamicBatcher(Scheduler):
 
     def next_batch(self, now_ns: int) -> Batch | None:
         batching = self.settings.max_batch_size > 0
-        for group in self.queue.groups():
+        for group in self._ranked(now_ns):
             count = self._cut(group, now_ns) if batching and self.settings.join else 1
             if count:
                 self._executing += count
-                return Batch(self.queue.take(group, count), batched=batching)
+                return self._batch(group, self.queue.take(group, count), batching)
         return None
 
     def next_event_ns(self, now_ns: int) -> int | None:
@@ -76,7 +77,7 @@ class DynamicBatcher(Scheduler):
         times = []
         if self.settings.join and self.settings.max_batch_size > 0:
             for group in self.queue.groups():
-                close = self.window.close_ns(group.head().enqueue_ns, self._rows(group), now_ns, self._in_system)
+                close = self.window.close_ns(group.head().enqueue_ns, self._fill(group)[1], now_ns, self._in_system)
                 if close > now_ns:
                     times.append(close)
         deadline = self.queue.next_deadline_ns()
@@ -84,27 +85,40 @@ class DynamicBatcher(Scheduler):
             times.append(deadline)
         return min(times) if times else None
 
-    def _rows(self, group: Group) -> int:
-        rows = 0
+    # Hooks a finer policy (binpack.py) overrides; the rest of the batcher is shared.
+    def _group_key(self, request: InferRequest) -> tuple | None:
+        """The queue group a request waits in (None: its join key)."""
+        return None
+
+    def _ranked(self, now_ns: int) -> list[Group]:
+        """Groups in the order they are offered an instance: highest priority, then oldest head."""
+        return self.queue.groups()
+
+    def _batch(self, group: Group, requests: list[InferRequest], batched: bool) -> Batch:
+        return Batch(requests, batched)
+
+    def _fill(self, group: Group) -> tuple[int, int, bool]:
+        """(requests, rows) of the next batch the group can make, and whether that batch is full."""
+        limit = self.settings.max_batch_size
+        rows = count = 0
         for request in group:
-            if rows + request.batch_size > self.settings.max_batch_size:
-                break
+            if rows + request.batch_size > limit:
+                return count, rows, True
             rows += request.batch_size
-        return rows
+            count += 1
+        return count, rows, rows == limit
 
     def _cut(self, group: Group, now_ns: int) -> int:
         """How many requests of the group to dispatch now (0: keep waiting)."""
-        limit = self.settings.max_batch_size
-        rows = count = preferred = 0
-        for request in group:
-            if rows + request.batch_size > limit:
-                return count
-            rows += request.batch_size
-            count += 1
-            if rows in self._preferred:
-                preferred = count
-        if rows == limit:
+        count, rows, full = self._fill(group)
+        if full:
             return count
-        if preferred:
-            return preferred
+        if self._preferred:
+            preferred = prefix = 0
+            for i, request in enumerate(itertools.islice(group, count), 1):
+                prefix += request.batch_size
+                if prefix in self._preferred:
+                    preferred = i
+            if preferred:
+                return preferred
         return count if now_ns >= self.window.close_ns(group.head().enqueue_ns, rows, now_ns, self._in_system) else 0

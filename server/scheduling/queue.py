@@ -1,7 +1,8 @@
 """Admission and waiting: priority levels, per-level queue policies, deadlines.
 
-Requests wait in lanes: one lane per (join key, priority level), so a batch can be drawn from the
-requests that can actually run together without scanning the others. Level 1 is the highest
+Requests wait in lanes: one lane per (group key, priority level), so a batch can be drawn from the
+requests that can actually run together without scanning the others. The group key is the join
+key, or a finer one a policy passes (binpack adds the cost bucket). Level 1 is the highest
 priority. A request whose deadline passes is removed (REJECT) or moved to a lane behind every level
 (DELAY): it never holds a place in front of requests that can still make their deadline.
 """
@@ -59,6 +60,9 @@ class Group:
     def __iter__(self):
         return itertools.chain.from_iterable(self.lanes)
 
+    def __len__(self) -> int:
+        return sum(len(lane) for lane in self.lanes)
+
 
 class RequestQueue:
     def __init__(self, policies: list[QueuePolicy], default_level: int = 1, max_total: int = 0):
@@ -84,7 +88,8 @@ class RequestQueue:
     def policy(self, level: int) -> QueuePolicy:
         return self.policies[level - 1]
 
-    def push(self, request: InferRequest, now_ns: int) -> None:
+    def push(self, request: InferRequest, now_ns: int, group_key: tuple | None = None) -> None:
+        """Admit a request into the group of `group_key` (default: its join key); raises QueueFullError."""
         level = request.priority = self.level(request.priority)
         policy = self.policy(level)
         limit = policy.max_queue_size
@@ -98,9 +103,10 @@ class RequestQueue:
                 f"model '{request.model_name}': request queue is full ({self.max_total} requests pending, the "
                 "server's --max-queued-requests); retry later"
             )
-        group = self._groups.get(request.batch_key)
+        key = request.group_key = request.batch_key if group_key is None else group_key
+        group = self._groups.get(key)
         if group is None:
-            group = self._groups[request.batch_key] = Group(request.batch_key, len(self.policies))
+            group = self._groups[key] = Group(key, len(self.policies))
         request.sequence = next(self._sequence)
         request.enqueue_ns = now_ns
         request.deadline_ns = policy.deadline_ns(request.arrival_ns or now_ns, request.timeout_us, request.deadline_ns)
@@ -115,7 +121,7 @@ class RequestQueue:
             return False
         lane.remove(request)
         self._unplace(request)
-        group = self._groups[request.batch_key]
+        group = self._groups[request.group_key]
         if group.head() is None:
             del self._groups[group.key]
         return True
@@ -129,7 +135,8 @@ class RequestQueue:
                 continue  # already dispatched or cancelled
             self.remove(request)
             if request.timeout_action == DELAY:
-                group = self._groups.setdefault(request.batch_key, Group(request.batch_key, len(self.policies)))
+                key = request.group_key
+                group = self._groups.setdefault(key, Group(key, len(self.policies)))
                 self._place(request, group.lanes[-1], len(self.policies))
             else:
                 rejected.append(request)
