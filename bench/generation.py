@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import re
 import subprocess
-import sys
 import tempfile
 import threading
 import time

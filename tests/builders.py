@@ -139,7 +139,7 @@ def gated_model(repo: Path, name: str, extra_yaml: str = "", gate: Path | None =
         params["gate"] = str(gate)
     if barrier:
         params["barrier"] = "1"
-    lines = [f"backend: python", f"max_batch_size: {max_batch_size}",
+    lines = ["backend: python", f"max_batch_size: {max_batch_size}",
              "input: [{name: X, data_type: TYPE_FP32, dims: [2]}]",
              "output: [{name: Y, data_type: TYPE_FP32, dims: [2]}, {name: TURN, data_type: TYPE_INT64, dims: [1]}]"]
     if params:

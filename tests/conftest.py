@@ -90,6 +90,12 @@ class RunningServer:
         return self.proc.returncode
 
 
+def link_shipped_models(repo: Path, *names: str) -> None:
+    """Serve some of model_repository/'s examples from a test repository, without copying them."""
+    for name in names:
+        (repo / name).symlink_to(ROOT / "model_repository" / name)
+
+
 @pytest.fixture
 def start_server():
     servers = []

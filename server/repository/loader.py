@@ -178,9 +178,9 @@ def binpack_settings(config: mc.ModelConfig) -> BinPackSettings:
         fail("", f"needs max_batch_size > 0, got {config.max_batch_size}")
     if any(b <= 0 for b in bounds) or any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
         fail(".bucket_boundaries", f"must be positive and strictly ascending, got {list(bounds)}")
-    for field in ("max_batch_cost", "stretch"):
-        if getattr(bp, field) < 0:
-            fail(f".{field}", f"must be >= 0, got {getattr(bp, field)}")
+    for name in ("max_batch_cost", "stretch"):
+        if getattr(bp, name) < 0:
+            fail(f".{name}", f"must be >= 0, got {getattr(bp, name)}")
     return BinPackSettings(
         quadratic=bp.cost_model == mc.ModelBinPacking.QUADRATIC,
         boundaries=bounds,

@@ -14,7 +14,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass
 
-from server.errors import InvalidInputError, QueueFullError
+from server.errors import QueueFullError
 from server.request import InferRequest
 
 REJECT, DELAY = "REJECT", "DELAY"

@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 
 from clients import InferenceClient
-from tests.conftest import ROOT, RunningServer
+from tests.conftest import ROOT, RunningServer, link_shipped_models
 
-TINY_LLAMA = ROOT / "model_repository" / "tiny_llama"
-needs_tiny_llama = pytest.mark.skipif(not TINY_LLAMA.exists(), reason="demo generation model not built yet")
 A = np.arange(16, dtype=np.float32).reshape(1, 16)
 B = np.full((1, 16), 2, np.float32)
 
@@ -23,9 +21,7 @@ B = np.full((1, 16), 2, np.float32)
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for model in ("simple", "classifier", "tiny_llama"):
-        if (ROOT / "model_repository" / model).exists():
-            (repo / model).symlink_to(ROOT / "model_repository" / model)
+    link_shipped_models(repo, "simple", "classifier", "tiny_llama")
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
     server = RunningServer(repo)
@@ -115,7 +111,6 @@ def test_infer_errors(server, inputs, code, words):
     assert done.returncode == code and words in done.stderr
 
 
-@needs_tiny_llama
 def test_generate_streams_text_then_a_summary(server):
     with InferenceClient(server.address, timeout_s=120) as client:
         deltas = list(client.generate("tiny_llama", "the ferry leaves", max_tokens=10, ignore_eos=True))

@@ -10,18 +10,14 @@ import pytest
 
 from clients import AsyncInferenceClient, FerryClientError
 from tests import builders
-from tests.conftest import ROOT, RunningServer
+from tests.conftest import RunningServer, link_shipped_models
 
-TINY_LLAMA = ROOT / "model_repository" / "tiny_llama"
-needs_tiny_llama = pytest.mark.skipif(not TINY_LLAMA.exists(), reason="demo generation model not built yet")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for model in ("simple", "classifier", "tiny_llama"):
-        if (ROOT / "model_repository" / model).exists():
-            (repo / model).symlink_to(ROOT / "model_repository" / model)
+    link_shipped_models(repo, "simple", "classifier", "tiny_llama")
     builders.identity_all_types(repo / "types" / "1" / "model.onnx")
     gate = repo / "gate"
     builders.gated_model(repo, "gated", gate=gate, max_batch_size=1)
@@ -122,7 +118,6 @@ def test_per_call_timeout_overrides_the_clients_default(server):
     run(server, body, timeout_s=0.3)
 
 
-@needs_tiny_llama
 def test_generate_streams_deltas_then_usage(server):
     async def body(client):
         deltas = [d async for d in client.generate("tiny_llama", "the ferry leaves", max_tokens=10, ignore_eos=True)]

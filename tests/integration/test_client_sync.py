@@ -11,27 +11,15 @@ import pytest
 
 from clients import FerryClientError, InferenceClient
 from tests import builders
-from tests.conftest import ROOT, RunningServer
+from tests.kserve import ALL_TYPES
+from tests.conftest import RunningServer, link_shipped_models
 
-TINY_LLAMA = ROOT / "model_repository" / "tiny_llama"
-needs_tiny_llama = pytest.mark.skipif(not TINY_LLAMA.exists(), reason="demo generation model not built yet")
-ALL_TYPES = {
-    "BOOL": np.array([[True, False, True]]), "UINT8": np.array([[0, 7, 255]], np.uint8),
-    "UINT16": np.array([[0, 9, 65535]], np.uint16), "UINT32": np.array([[0, 1, 2**32 - 1]], np.uint32),
-    "UINT64": np.array([[0, 1, 2**64 - 1]], np.uint64), "INT8": np.array([[-128, 0, 127]], np.int8),
-    "INT16": np.array([[-32768, 1, 32767]], np.int16), "INT32": np.array([[-(2**31), 2, 2**31 - 1]], np.int32),
-    "INT64": np.array([[-(2**63), 3, 2**63 - 1]], np.int64), "FP16": np.array([[0.5, -2.0, 65504]], np.float16),
-    "FP32": np.array([[1.5, -0.25, 3e38]], np.float32), "FP64": np.array([[1e-300, 2.0, -1e300]], np.float64),
-    "BYTES": np.array([[b"ascii", "é ü".encode(), b""]], dtype=object),
-}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for model in ("simple", "classifier", "tiny_llama"):
-        if (ROOT / "model_repository" / model).exists():
-            (repo / model).symlink_to(ROOT / "model_repository" / model)
+    link_shipped_models(repo, "simple", "classifier", "tiny_llama")
     builders.identity_all_types(repo / "types" / "1" / "model.onnx")
     gate = repo / "gate"
     builders.gated_model(repo, "gated", gate=gate, max_batch_size=1)
@@ -154,7 +142,6 @@ def test_generate_errors_surface_from_the_stream(client):
         client.generate("simple", "hello", max_token=4)
 
 
-@needs_tiny_llama
 def test_generate_streams_deltas_then_usage(client):
     deltas = list(client.generate("tiny_llama", "the ferry leaves", max_tokens=12, ignore_eos=True, request_id="g1"))
     assert len(deltas) > 1 and all(not d.last for d in deltas[:-1])
@@ -169,7 +156,6 @@ def test_generate_streams_deltas_then_usage(client):
     assert from_ids[-1].usage.prompt_tokens == 5 and from_ids[-1].usage.completion_tokens == 3
 
 
-@needs_tiny_llama
 def test_leaving_a_stream_early_cancels_it(client):
     stream = client.generate("tiny_llama", "the ferry", max_tokens=200, ignore_eos=True)
     first = next(stream)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from clients import AsyncInferenceClient, FerryClientError, InferenceClient
-from tests.conftest import ROOT, RunningServer
+from tests.conftest import ROOT, RunningServer, link_shipped_models
 
 if shutil.which("openssl") is None:
     pytest.skip("the openssl command is needed to make a self-signed certificate", allow_module_level=True)
@@ -29,7 +29,7 @@ def tls_server(tmp_path_factory):
                     "-addext", f"subjectAltName=DNS:{NAME}"], check=True, capture_output=True)
     repo = tmp / "repo"
     repo.mkdir()
-    (repo / "simple").symlink_to(ROOT / "model_repository" / "simple")
+    link_shipped_models(repo, "simple")
     server = RunningServer(repo, "--tls-cert", str(cert), "--tls-key", str(key))
     yield server, cert, key
     server.stop()

@@ -10,17 +10,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from protos import grpc_service_pb2 as pb
 from tests import builders, kserve
+from tests.kserve import ALL_TYPES
 from tests.conftest import RunningServer
 
-ALL_TYPES = {
-    "BOOL": np.array([[True, False, True]]), "UINT8": np.array([[0, 7, 255]], np.uint8),
-    "UINT16": np.array([[0, 9, 65535]], np.uint16), "UINT32": np.array([[0, 1, 2**32 - 1]], np.uint32),
-    "UINT64": np.array([[0, 1, 2**64 - 1]], np.uint64), "INT8": np.array([[-128, 0, 127]], np.int8),
-    "INT16": np.array([[-32768, 1, 32767]], np.int16), "INT32": np.array([[-(2**31), 2, 2**31 - 1]], np.int32),
-    "INT64": np.array([[-(2**63), 3, 2**63 - 1]], np.int64), "FP16": np.array([[0.5, -2.0, 65504]], np.float16),
-    "FP32": np.array([[1.5, -0.25, 3e38]], np.float32), "FP64": np.array([[1e-300, 2.0, -1e300]], np.float64),
-    "BYTES": np.array([[b"ascii", "é ü".encode(), b""]], dtype=object),
-}
 
 
 @pytest.fixture(scope="module")

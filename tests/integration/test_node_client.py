@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from clients import InferenceClient
-from tests.conftest import ROOT, RunningServer
+from tests.conftest import ROOT, RunningServer, link_shipped_models
 
 NODE_DIR = ROOT / "clients" / "node"
-TINY_LLAMA = ROOT / "model_repository" / "tiny_llama"
 
 if shutil.which("node") is None or shutil.which("npm") is None:
     pytest.skip("Node.js (node and npm) is not installed; the Node example client needs it", allow_module_level=True)
@@ -30,9 +29,7 @@ def node_ready():
 @pytest.fixture(scope="module")
 def server(node_ready, tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for model in ("simple", "classifier", "tiny_llama"):
-        if (ROOT / "model_repository" / model).exists():
-            (repo / model).symlink_to(ROOT / "model_repository" / model)
+    link_shipped_models(repo, "simple", "classifier", "tiny_llama")
     server = RunningServer(repo)
     yield server
     server.stop()
@@ -70,7 +67,6 @@ def test_node_reports_grpc_errors(server):
     assert done.returncode == 1 and "NOT_FOUND" in done.stderr and "nope" in done.stderr
 
 
-@pytest.mark.skipif(not TINY_LLAMA.exists(), reason="demo generation model not built yet")
 def test_node_generate_streams_what_the_python_client_streams(server):
     done = node(server, "generate", "tiny_llama", "the ferry leaves", "--max-tokens", "12")
     assert done.returncode == 0, done.stderr

@@ -18,19 +18,15 @@ from bench.common import infer_payload
 from clients import InferenceClient
 from clients.loadgen import closed_loop
 from tests import builders
-from tests.conftest import ROOT, RunningServer
+from tests.conftest import ROOT, RunningServer, link_shipped_models
 
-TINY_LLAMA = ROOT / "model_repository" / "tiny_llama"
-needs_tiny_llama = pytest.mark.skipif(not TINY_LLAMA.exists(), reason="demo generation model not built yet")
 PERCENTILES = ["p50", "p90", "p95", "p99"]
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for model in ("simple", "classifier", "tiny_llama"):
-        if (ROOT / "model_repository" / model).exists():
-            (repo / model).symlink_to(ROOT / "model_repository" / model)
+    link_shipped_models(repo, "simple", "classifier", "tiny_llama")
     builders.save_onnx([helper.make_node("Identity", ["x"], ["y"])],  # x [batch, n]: n is variable
                        [builders.tensor("x", TensorProto.FLOAT, ["b", "n"])],
                        [builders.tensor("y", TensorProto.FLOAT, ["b", "n"])], repo / "vary" / "1" / "model.onnx")
@@ -125,7 +121,6 @@ def test_failed_requests_are_counted_not_timed(server):
     assert message.startswith("INVALID_ARGUMENT") and point["error_messages"][message] == 5
 
 
-@needs_tiny_llama
 def test_generation_sweep_reports_token_timings(server, tmp_path):
     done = perf(server, "tiny_llama", "--concurrency", "1,3", "--requests", "6", "--max-tokens", "8",
                 "--prompt-length", "4:12", "--json", str(tmp_path / "g.json"), "--plot", str(tmp_path / "g.png"))
