@@ -6,9 +6,10 @@ per batch size and the arrival rate online, and waits only while waiting can sti
 
 NOTE (the adaptive rule). An instance is free; a group of n rows waits, its oldest queued at t0.
   * Who else can come? Ferry tracks the requests in the system (queued + executing) and their recent
-    peak, the apparent concurrency C (it rises at once and decays slowly). If everyone recently seen
-    is already waiting here (C - in_system < 1), nobody else is coming soon: dispatch now. This is
-    what keeps a closed loop of k clients from waiting for arrivals that only its own answers trigger.
+    peak, the apparent concurrency C (it rises at once and halves every 100 ms without a new peak).
+    If everyone recently seen is already waiting here (C - in_system < 1), nobody else is coming
+    soon: dispatch now. This is what keeps a closed loop of k clients from waiting for arrivals that
+    only its own answers trigger. Likewise when no request came for two mean gaps: the stream paused.
   * Otherwise e = min(C - in_system, max_batch_size - n) more rows are expected, at the observed
     arrival rate r, within w = e / r. Is waiting worth it? The instance's load at that batch size is
     R * exec(n + e) / (n + e), with R the arrival rate sustained over the last ~100 arrivals. Below
@@ -35,7 +36,9 @@ _SLOW_ALPHA = 0.01
 _TARGET_SHARE = 0.8
 _BOTTLENECK_LOAD = 0.5  # instance load above which idling it costs throughput
 _MIN_GROWTH = 0.25  # with slack, wait only if the batch would grow by at least a quarter
-_PEAK_DECAY = 0.01  # per arrival: how fast the apparent concurrency forgets an old peak
+_PEAK_HALF_LIFE_NS = 100_000_000  # how fast the apparent concurrency forgets an old peak
+_WAIT_EXEC_RATIO = 4.0  # never wait longer than this many executions of the grown batch
+_PAUSE_GAPS = 2.0  # no arrival for this many mean gaps: the stream paused, stop waiting for it
 
 
 class FixedWindow:
@@ -102,12 +105,14 @@ class AdaptiveWindow:
         self.current_ns = 0  # the last window chosen, for the metrics page
 
     def on_arrival(self, now_ns: int, in_system: int) -> None:
+        decay = 1.0
         if self._last_arrival_ns is not None:
             gap = now_ns - self._last_arrival_ns
             self._gap_ns = gap if self._gap_ns is None else self._gap_ns + _ALPHA * (gap - self._gap_ns)
             self._long_gap_ns = gap if self._long_gap_ns is None else self._long_gap_ns + _SLOW_ALPHA * (gap - self._long_gap_ns)
+            decay = 0.5 ** (gap / _PEAK_HALF_LIFE_NS)
         self._last_arrival_ns = now_ns
-        self.concurrency = max(float(in_system), self.concurrency * (1 - _PEAK_DECAY))
+        self.concurrency = max(float(in_system), self.concurrency * decay)
 
     def on_batch(self, rows: int, exec_ns: int) -> None:
         self.exec.observe(rows, exec_ns)
@@ -123,10 +128,14 @@ class AdaptiveWindow:
         close = now_ns
         expected = min(self.concurrency - in_system, self.max_batch_size - rows)
         rate = self.rate_per_ns(now_ns)
-        if expected >= 1 and rate > 0 and self.exec.known and self._worth_waiting(rows, expected, rate):
-            latest_start = head_enqueue_ns + self.target_ns * _TARGET_SHARE - self.exec.estimate(rows + expected)
+        paused = self._gap_ns is not None and now_ns - self._last_arrival_ns > _PAUSE_GAPS * self._gap_ns
+        if expected >= 1 and rate > 0 and not paused and self.exec.known and self._worth_waiting(rows, expected, rate):
+            exec_grown = self.exec.estimate(rows + expected)
+            latest_start = head_enqueue_ns + self.target_ns * _TARGET_SHARE - exec_grown
             if rate * (latest_start - now_ns) >= 1:
-                close = int(min(latest_start, now_ns + expected / rate))
+                # Waiting much longer than the grown batch takes to run rarely pays: if the expected
+                # rows are that slow, the expectation is probably wrong.
+                close = int(min(latest_start, now_ns + expected / rate, now_ns + _WAIT_EXEC_RATIO * exec_grown))
         self.current_ns = max(0, close - head_enqueue_ns)
         return max(close, now_ns)
 

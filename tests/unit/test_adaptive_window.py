@@ -54,9 +54,27 @@ def test_closed_loop_whose_clients_all_wait_is_not_held():
 
 def test_the_oldest_request_keeps_its_latency_budget():
     # 31 more rows at one per ms would take 31 ms; with a 20 ms target only 16 ms minus execution remain
-    bounded = window(gap_ns=1 * MS, clients=32, waiting=1, target_ms=20)
-    assert 0 < bounded and bounded + 1.2 * MS <= 0.8 * 20 * MS
-    assert window(gap_ns=1 * MS, clients=32, waiting=1, target_ms=1000) >= 31 * MS
+    bounded = window(gap_ns=1 * MS, clients=32, waiting=1, target_ms=20, exec_1_ms=5, exec_32_ms=6)
+    assert 0 < bounded and bounded + 6 * MS <= 0.8 * 20 * MS
+    assert window(gap_ns=1 * MS, clients=32, waiting=1, target_ms=1000, exec_1_ms=5, exec_32_ms=6) > bounded
+
+
+def test_never_waits_much_longer_than_the_batch_takes_to_run():
+    # a cheap model: filling the batch would take 31 ms, but running it takes 1.2 ms
+    wait = window(gap_ns=1 * MS, clients=32, waiting=1, target_ms=1000, exec_1_ms=1, exec_32_ms=1.2)
+    assert 0 < wait <= 4 * 1.2 * MS
+
+
+def test_a_paused_stream_is_not_waited_for():
+    w = AdaptiveWindow(50 * MS, 32)
+    w.on_batch(1, MS)
+    w.on_batch(32, int(1.2 * MS))
+    for i in range(20):
+        w.on_arrival(i * 100 * US, in_system=i + 1)  # 20 clients seen, one arrival every 0.1 ms
+    last = 19 * 100 * US
+    assert w.close_ns(last, 1, last, in_system=1) > last  # right after an arrival: more are expected
+    later = last + 300 * US  # three mean gaps of silence
+    assert w.close_ns(last, 1, later, in_system=1) == later
 
 
 def test_no_measurement_yet_means_no_waiting():
