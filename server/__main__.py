@@ -23,6 +23,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--max-queued-requests", type=int, default=10_000,
                    help="per model version: refuse beyond this many queued requests even if max_queue_size is 0")
     p.add_argument("--max-concurrent-rpcs", type=int, default=16_384, help="gRPC refuses more in-flight calls (0: no limit)")
+    p.add_argument("--poll-repository-seconds", type=float, default=0.0,
+                   help="hot reload: poll the repository this often and (re)load changed models (0: off)")
     p.add_argument("--drain-grace-seconds", type=float, default=30.0, help="how long shutdown waits for admitted work")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key) to serve TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         default_max_batch_size=args.default_max_batch_size,
         max_queued_requests=args.max_queued_requests,
         drain_grace_s=args.drain_grace_seconds,
+        poll_repository_s=args.poll_repository_seconds,
     )
     asyncio.run(run(config))
 

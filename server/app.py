@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, start_
 from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
+from server.repository.watcher import RepositoryWatcher
 from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
@@ -28,6 +29,7 @@ class ServerConfig:
     default_max_batch_size: int = 4
     max_queued_requests: int = 10_000  # per model version, whatever its queue policy says
     drain_grace_s: float = 30.0
+    poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
 
 
 @dataclass(slots=True)
@@ -56,6 +58,10 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     await rpc.set_serving(True)
     for name, state, reason in ((r[0], r[2], r[3]) for r in registry.index()):
         log.info("model %-24s %-11s %s", name, state, reason)
+    watcher = None
+    if config.poll_repository_s > 0:
+        watcher = RepositoryWatcher(registry, config.poll_repository_s)
+        await watcher.start()
     print("ferry: ready", flush=True)
     if started is not None:
         started.set()
@@ -69,6 +75,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     log.info("draining: refusing new requests, finishing admitted ones (grace %.0fs)", config.drain_grace_s)
     health.ready = False
     await rpc.set_serving(False)
+    if watcher is not None:
+        await watcher.stop()
     await asyncio.gather(rpc.stop(config.drain_grace_s), registry.close(config.drain_grace_s))
     if config.metrics_port is not None:
         http.shutdown()

@@ -46,36 +46,82 @@ class Registry:
         self.generation_families = generation_families
         self._models: dict[str, dict[int, ModelVersion]] = {}
         self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
+        self._locks: dict[str, asyncio.Lock] = {}  # one load or unload of a model at a time
 
     async def load_all(self) -> None:
         dirs = loader.scan(self.root)
         await asyncio.gather(*(self._load(d) for d in dirs))
 
-    async def _load(self, model_dir: Path) -> None:
+    async def load(self, name: str) -> None:
+        """(Re)load one model from its folder. New versions replace the old ones only if at least one
+        of them is ready; otherwise the old ones keep serving and the reason is raised."""
+        model_dir = self.root / name
+        if not model_dir.is_dir() or name.startswith((".", "__")) or "/" in name:
+            raise ModelNotFoundError(f"no model folder '{name}' in the model repository {self.root}")
+        async with self._lock(name):
+            error = await self._load(model_dir)
+        if error:
+            raise ModelUnavailableError(f"failed to load model '{name}': {error}")
+
+    async def unload(self, name: str, grace_s: float = 30.0) -> None:
+        """Stop serving a model: refuse new requests, let admitted ones finish, release its memory."""
+        if not self.knows(name):
+            raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
+        async with self._lock(name):
+            versions = list(self._models.get(name, {}).values())
+            await self._retire(versions, grace_s)
+            for mv in versions:
+                mv.state, mv.reason, mv.runner = UNAVAILABLE, "unloaded", None
+
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    async def _load(self, model_dir: Path) -> str:
+        """Load a model folder; returns '' or why nothing of it is ready."""
         name = model_dir.name
-        self._errors.pop(name, None)
         try:
             _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size)
         except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
-            self._errors[name] = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
-            log.error("model '%s' is unavailable: %s", name, self._errors[name])
-            return
-        versions = self._models.setdefault(name, {})
-        for entry in loaded:
-            mv = versions[entry.version] = ModelVersion(name, entry.version, config=entry.config, signature=entry.signature)
-            if entry.error:
-                mv.state, mv.reason = UNAVAILABLE, entry.error
-                continue
-            try:
-                mv.runner = self._runner(name, entry)
-            except ConfigError as exc:
-                mv.state, mv.reason = UNAVAILABLE, exc.message
-                for backend in entry.backends:
-                    backend.unload()
-                continue
-            mv.runner.start()
-            mv.state = READY
-            log.info("model '%s' version %d is READY (%d instance(s))", name, entry.version, len(entry.backends))
+            reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            log.error("model '%s' is unavailable: %s", name, reason)
+            if not self.ready_versions(name):
+                self._errors[name] = reason
+            return reason
+        versions = {entry.version: self._start(name, entry) for entry in loaded}
+        ready = [mv for mv in versions.values() if mv.ready]
+        if not ready and self.ready_versions(name):
+            return "; ".join(f"version {v}: {mv.reason}" for v, mv in versions.items()) or "no version to serve"
+        old = list(self._models.get(name, {}).values())
+        self._models[name] = versions
+        self._errors.pop(name, None)
+        await self._retire(old, grace_s=30.0)
+        return "" if ready else "; ".join(f"version {v}: {mv.reason}" for v, mv in versions.items())
+
+    def _start(self, name: str, entry: loader.LoadedVersion) -> ModelVersion:
+        mv = ModelVersion(name, entry.version, config=entry.config, signature=entry.signature)
+        if entry.error:
+            mv.state, mv.reason = UNAVAILABLE, entry.error
+            return mv
+        try:
+            mv.runner = self._runner(name, entry)
+        except ConfigError as exc:
+            mv.state, mv.reason = UNAVAILABLE, exc.message
+            for backend in entry.backends:
+                backend.unload()
+            return mv
+        mv.runner.start()
+        mv.state = READY
+        log.info("model '%s' version %d is READY (%d instance(s))", name, entry.version, len(entry.backends))
+        return mv
+
+    @staticmethod
+    async def _retire(versions: list[ModelVersion], grace_s: float) -> None:
+        closing = []
+        for mv in versions:
+            if mv.runner is not None:
+                mv.state = UNLOADING
+                closing.append(mv.runner.close(grace_s))
+        await asyncio.gather(*closing)
 
     def _runner(self, name: str, entry: loader.LoadedVersion):
         stats = ModelStats(name, entry.version, self.histograms)
@@ -128,9 +174,4 @@ class Registry:
         return sorted(rows)
 
     async def close(self, grace_s: float) -> None:
-        runners = []
-        for mv in self.all_versions():
-            if mv.runner is not None:
-                mv.state = UNLOADING
-                runners.append(mv.runner.close(grace_s))
-        await asyncio.gather(*runners)
+        await self._retire(self.all_versions(), grace_s)

@@ -15,7 +15,7 @@ from server.rpc import codec
 from server.rpc.errors import translate_errors
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
-EXTENSIONS = ["model_configuration", "statistics", "schedule_policy"]
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy"]
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -74,6 +74,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             rows = [r for r in rows if r[2] == READY]
         models = [pb.RepositoryIndexResponse.ModelIndex(name=n, version=v, state=s, reason=r) for n, v, s, r in rows]
         return pb.RepositoryIndexResponse(models=models)
+
+    @translate_errors
+    async def RepositoryModelLoad(self, request, context):
+        if request.parameters:
+            raise UnsupportedError(f"load parameters {sorted(request.parameters)} (config override, files) are not supported; "
+                                   "edit the model folder and load it again")
+        # The KServe SDK's variant of this message puts the model name in field 1 (repository_name).
+        await self.registry.load(request.model_name or request.repository_name)
+        return pb.RepositoryModelLoadResponse()
+
+    @translate_errors
+    async def RepositoryModelUnload(self, request, context):
+        await self.registry.unload(request.model_name or request.repository_name)
+        return pb.RepositoryModelUnloadResponse()
 
     @translate_errors
     async def ModelInfer(self, request, context):

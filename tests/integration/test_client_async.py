@@ -96,8 +96,8 @@ def test_errors_carry_status_and_server_message(server):
         assert err.status == grpc.StatusCode.INVALID_ARGUMENT and "INPUT1" in err.message
         err = await raises(client.model_config("nope"))
         assert err.status == grpc.StatusCode.NOT_FOUND
-        for call in (client.load_model("simple"), client.unload_model("simple")):
-            assert (await raises(call)).status == grpc.StatusCode.UNIMPLEMENTED
+        for call in (client.load_model("nope"), client.unload_model("nope")):
+            assert (await raises(call)).status == grpc.StatusCode.NOT_FOUND
         err = await raises(anext(client.generate("simple", "hello")))
         assert err.status == grpc.StatusCode.INVALID_ARGUMENT and "not a generation model" in err.message
 

@@ -95,14 +95,25 @@ def test_errors_carry_status_and_server_message(client):
          grpc.StatusCode.INVALID_ARGUMENT, "INPUT1"),
         (lambda: client.model_metadata("nope"), grpc.StatusCode.NOT_FOUND, "nope"),
         (lambda: client.is_model_ready("nope"), grpc.StatusCode.NOT_FOUND, "nope"),
-        (lambda: client.load_model("simple"), grpc.StatusCode.UNIMPLEMENTED, ""),
-        (lambda: client.unload_model("simple"), grpc.StatusCode.UNIMPLEMENTED, ""),
+        (lambda: client.load_model("nope"), grpc.StatusCode.NOT_FOUND, "nope"),
+        (lambda: client.unload_model("nope"), grpc.StatusCode.NOT_FOUND, "nope"),
     ]
     for call, status, words in cases:
         with pytest.raises(FerryClientError) as info:
             call()
         assert info.value.status == status and words in info.value.message
         assert str(info.value).startswith(status.name)
+
+
+def test_unload_then_load_a_model(client):
+    client.unload_model("classifier")
+    assert not client.is_model_ready("classifier")
+    with pytest.raises(FerryClientError) as info:
+        client.infer("classifier", {"features": np.ones((1, 32), np.float32)})
+    assert info.value.status == grpc.StatusCode.UNAVAILABLE
+    client.load_model("classifier")
+    assert client.is_model_ready("classifier")
+    assert client.infer("classifier", {"features": np.ones((1, 32), np.float32)})["probabilities"].shape == (1, 4)
 
 
 def test_per_call_timeout_overrides_the_clients_default(server):
