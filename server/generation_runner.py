@@ -20,6 +20,7 @@ from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings
 from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError
 from server.generation_metrics import GenerationStats
 from server.metrics import ModelStats
+from server.runner import drain
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.sequence import SamplingParams, Sequence
 
@@ -202,10 +203,6 @@ class GenerationRunner:
     async def close(self, grace_s: float) -> None:
         self._accepting = False
         self._wake.set()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), grace_s)
-            except TimeoutError:
-                self._task.cancel()
+        await drain(self._task, grace_s)
         self._thread.shutdown(wait=True)
         self.backend.unload()

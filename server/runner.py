@@ -144,13 +144,19 @@ class ModelRunner:
         """Stop admitting, let queued and running batches finish within the grace period, release workers."""
         self._accepting = False
         self._wake.set()
-        if self._task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._task), grace_s)
-            except TimeoutError:
-                self._task.cancel()
+        await drain(self._task, grace_s)
         for worker in self.workers:
             await asyncio.to_thread(worker.close)
+
+
+async def drain(loop_task: asyncio.Task | None, grace_s: float) -> None:
+    """Wait for a runner's loop to finish its admitted work; past the grace period, stop it."""
+    if loop_task is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(loop_task), grace_s)
+    except TimeoutError:
+        loop_task.cancel()
 
 
 def _setter(request: InferRequest, outputs=None, error: FerryError | None = None):

@@ -96,6 +96,19 @@ def link_shipped_models(repo: Path, *names: str) -> None:
         (repo / name).symlink_to(ROOT / "model_repository" / name)
 
 
+def serve_client_test_models(repo: Path) -> RunningServer:
+    """The server both Python client test files use: shipped examples, every datatype, a gated model."""
+    from tests import builders
+
+    link_shipped_models(repo, "simple", "classifier", "tiny_llama")
+    builders.identity_all_types(repo / "types" / "1" / "model.onnx")
+    gate = repo / "gate"
+    builders.gated_model(repo, "gated", gate=gate, max_batch_size=1)
+    server = RunningServer(repo)
+    server.gate = gate
+    return server
+
+
 @pytest.fixture
 def start_server():
     servers = []

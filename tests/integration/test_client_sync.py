@@ -10,23 +10,16 @@ import numpy as np
 import pytest
 
 from clients import FerryClientError, InferenceClient
-from tests import builders
 from tests.kserve import ALL_TYPES
-from tests.conftest import RunningServer, link_shipped_models
+from tests.conftest import serve_client_test_models
 
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    link_shipped_models(repo, "simple", "classifier", "tiny_llama")
-    builders.identity_all_types(repo / "types" / "1" / "model.onnx")
-    gate = repo / "gate"
-    builders.gated_model(repo, "gated", gate=gate, max_batch_size=1)
-    server = RunningServer(repo)
-    server.gate = gate
+    server = serve_client_test_models(tmp_path_factory.mktemp("repo"))
     yield server
-    gate.touch()  # never leave an execution waiting while the server drains
+    server.gate.touch()  # never leave an execution waiting while the server drains
     server.stop()
 
 

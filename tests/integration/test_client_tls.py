@@ -15,7 +15,7 @@ from clients import AsyncInferenceClient, FerryClientError, InferenceClient
 from tests.conftest import ROOT, RunningServer, link_shipped_models
 
 if shutil.which("openssl") is None:
-    pytest.skip("the openssl command is needed to make a self-signed certificate", allow_module_level=True)
+    pytest.skip(reason="the openssl command is needed to make a self-signed certificate", allow_module_level=True)
 
 NAME = "ferry.test"  # the certificate's only name: dialing 127.0.0.1 must override the name to verify
 

@@ -15,7 +15,7 @@ from tests.conftest import ROOT, RunningServer, link_shipped_models
 NODE_DIR = ROOT / "clients" / "node"
 
 if shutil.which("node") is None or shutil.which("npm") is None:
-    pytest.skip("Node.js (node and npm) is not installed; the Node example client needs it", allow_module_level=True)
+    pytest.skip(reason="Node.js (node and npm) is not installed; the Node example client needs it", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tests.conftest import RunningServer
 
 # find_spec, not import: importing tritonclient here would clash with Ferry's `inference.*` messages
 if importlib.util.find_spec("tritonclient") is None:
-    pytest.skip("tritonclient[grpc] is not installed (it is part of the test extra)", allow_module_level=True)
+    pytest.skip(reason="tritonclient[grpc] is not installed (it is part of the test extra)", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
