@@ -13,6 +13,7 @@ from server.request import InferRequest
 from server.runner import ModelRunner
 from server.rpc import codec
 from server.rpc.errors import translate_errors
+from server.rpc.stream_infer import stream_infer
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy"]
@@ -93,13 +94,24 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         arrival = time.monotonic_ns()
         mv = self.registry.get(request.model_name, request.model_version)
-        if not isinstance(mv.runner, ModelRunner):
-            raise UnsupportedError(f"ModelInfer does not serve generation model '{mv.name}'; "
-                                   "stream from it with ferry.generate.v1.Generation/Generate")
-        infer = _decode(request, mv, arrival, context.time_remaining())
-        outputs = await mv.runner.infer(infer)
-        names = infer.requested_outputs or tuple(mv.signature.outputs)
-        return codec.encode_response(request, mv.version, outputs, names)
+        return await _infer(request, mv, arrival, context.time_remaining())
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        async def infer_one(request, mv, arrival):
+            return await _infer(request, mv, arrival, context.time_remaining())
+
+        async for response in stream_infer(self.registry, request_iterator, infer_one):
+            yield response
+
+
+async def _infer(request: pb.ModelInferRequest, mv: ModelVersion, arrival: int, remaining_s: float | None):
+    if not isinstance(mv.runner, ModelRunner):
+        raise UnsupportedError(f"ModelInfer does not serve generation model '{mv.name}' (decoupled); stream from it "
+                               "with ModelStreamInfer or ferry.generate.v1.Generation/Generate")
+    infer = _decode(request, mv, arrival, remaining_s)
+    outputs = await mv.runner.infer(infer)
+    names = infer.requested_outputs or tuple(mv.signature.outputs)
+    return codec.encode_response(request, mv.version, outputs, names)
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:

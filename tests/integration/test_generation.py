@@ -162,8 +162,10 @@ def test_errors_and_kserve_views_of_a_generation_model(env):
     states = {m.name: m.state for m in api.RepositoryIndex(pb.RepositoryIndexRequest()).models}
     assert states["llama"] == "READY" and states["qwen"] == "READY"
     meta = api.ModelMetadata(pb.ModelMetadataRequest(name="llama"))
-    assert meta.platform == "ferry_llm" and [t.name for t in meta.inputs] == ["text_input"]
+    assert meta.platform == "ferry_llm"
+    assert [t.name for t in meta.inputs] == ["text_input", "stream", "sampling_parameters", "exclude_input_in_output", "max_tokens"]
     config = api.ModelConfig(pb.ModelConfigRequest(name="tight")).config
     assert config.generation.num_kv_blocks == 40 and config.parameters["num_kv_blocks"].string_value == "40"
+    assert config.model_transaction_policy.decoupled  # what Triton clients read to know it streams
     stats = api.ModelStatistics(pb.ModelStatisticsRequest(name="llama")).model_stats[0]
     assert stats.inference_stats.success.count > 0 and stats.execution_count > 0

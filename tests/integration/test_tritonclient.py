@@ -12,7 +12,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests import builders
-from tests.conftest import RunningServer
+from protos import generate_pb2 as gen
+from protos import generate_pb2_grpc as gen_grpc
+from tests.conftest import RunningServer, link_shipped_models
 
 # find_spec, not import: importing tritonclient here would clash with Ferry's `inference.*` messages
 if importlib.util.find_spec("tritonclient") is None:
@@ -28,12 +30,17 @@ def result(tmp_path_factory) -> dict:
                        [builders.tensor("TEXT_OUT", TensorProto.STRING, ["batch", 2])], repo / "echo" / "1" / "model.onnx")
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.onnx").write_bytes(b"junk")
+    link_shipped_models(repo, "tiny_llama")
     server = RunningServer(repo)
     try:
         script = Path(__file__).with_name("tritonclient_calls.py")
         done = subprocess.run([sys.executable, str(script), server.address], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+        found = json.loads(done.stdout)
+        request = gen.GenerateRequest(model_name="tiny_llama", text="A ferry leaves",
+                                      sampling=gen.SamplingParams(max_tokens=8, ignore_eos=True))
+        found["generate_text"] = "".join(r.text for r in gen_grpc.GenerationStub(server.channel).Generate(request, timeout=60))
+        return found
     finally:
         server.stop()
 
@@ -63,6 +70,14 @@ def test_errors_reach_tritonclient_with_status(result):
 
 def test_index_and_statistics(result):
     states = {m["name"]: m["state"] for m in result["index"]}
-    assert states == {"broken": "UNAVAILABLE", "echo": "READY", "simple": "READY"}
+    assert states == {"broken": "UNAVAILABLE", "echo": "READY", "simple": "READY", "tiny_llama": "READY"}
     stats = result["stats"]
     assert stats["inference_count"] == "4" and stats["execution_count"] == "2"  # two infers of 2 rows each
+
+
+def test_model_stream_infer_keeps_order_and_streams_generation(result):
+    stream = result["stream"]
+    assert stream["order"] == ["s0", "s1", "s2"] and stream["sums_ok"]  # answered in the order sent, correctly
+    assert len(stream["deltas"]) == 8  # one response per generated token, the last marked final
+    assert "".join(stream["deltas"]) == result["generate_text"]  # same text as the Generate RPC
+    assert len(stream["errors"]) == 1 and "unknown model" in stream["errors"][0]  # and the stream went on

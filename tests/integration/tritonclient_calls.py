@@ -2,6 +2,7 @@
 cannot share a process with Ferry's. Calls the server the way Triton users do and prints JSON."""
 
 import json
+import queue
 import sys
 
 import numpy as np
@@ -47,7 +48,39 @@ def main(url: str) -> None:
     out["wrong_dtype"] = error(lambda: client.infer("simple", [wrong, inputs[1]]))
     out["index"] = client.get_model_repository_index(as_json=True)["models"]
     out["stats"] = client.get_inference_statistics("simple", as_json=True)["model_stats"][0]
+    out["stream"] = stream_calls(client, inputs, a + b)
     print(json.dumps(out))
+
+
+def stream_calls(client, inputs, expected_sum) -> dict:
+    """ModelStreamInfer: three ordinary requests answered in order, one streamed generation."""
+    received = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    for i in range(3):
+        client.async_stream_infer("simple", inputs, request_id=f"s{i}")
+    text = tc.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"A ferry leaves"], dtype=object))
+    stream = tc.InferInput("stream", [1], "BOOL")
+    stream.set_data_from_numpy(np.array([True]))
+    sampling = tc.InferInput("sampling_parameters", [1], "BYTES")
+    sampling.set_data_from_numpy(np.array([json.dumps({"max_tokens": 8, "ignore_eos": True}).encode()], dtype=object))
+    client.async_stream_infer("tiny_llama", [text, stream, sampling], request_id="g1")
+    client.async_stream_infer("nope", inputs, request_id="bad")
+    order, sums_ok, deltas, finals, errors = [], True, [], 0, []
+    while finals < 1 or len(order) < 3 or not errors:
+        result, error = received.get(timeout=60)
+        if error is not None:
+            errors.append(str(error))
+            continue
+        response = result.get_response()
+        if response.id.startswith("s"):
+            order.append(response.id)
+            sums_ok &= bool(np.array_equal(result.as_numpy("OUTPUT0"), expected_sum))
+        else:
+            deltas.append(result.as_numpy("text_output")[0].decode())
+            finals += response.parameters["triton_final_response"].bool_param
+    client.stop_stream()
+    return {"order": order, "sums_ok": sums_ok, "deltas": deltas, "errors": errors}
 
 
 if __name__ == "__main__":

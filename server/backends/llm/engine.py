@@ -65,8 +65,12 @@ class LLMBackend(Backend):
         """Describe the model the way Triton's vLLM backend does, so KServe metadata stays meaningful."""
         config.platform = config.platform or "ferry_llm"
         config.max_batch_size = 0
+        config.model_transaction_policy.decoupled = True  # many responses per request (ModelStreamInfer)
         if not config.input:
             config.input.add(name="text_input", data_type=mc.TYPE_STRING, dims=[1])
+            for name, dtype in (("stream", mc.TYPE_BOOL), ("sampling_parameters", mc.TYPE_STRING),
+                                ("exclude_input_in_output", mc.TYPE_BOOL), ("max_tokens", mc.TYPE_INT32)):
+                config.input.add(name=name, data_type=dtype, dims=[1], optional=True)
         if not config.output:
             config.output.add(name="text_output", data_type=mc.TYPE_STRING, dims=[-1])
 
