@@ -69,6 +69,16 @@ class GenerationRunner:
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"generate-{self.name}-{self.version}")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """However the loop ended (drained, cut off after the grace period, crashed), answer everyone left."""
+        self._accepting = False
+        if not task.cancelled() and task.exception() is not None:
+            log.error("model '%s': generation loop failed", self.name, exc_info=task.exception())
+        for seq in self.scheduler.running + self.scheduler.waiting():
+            if not seq.handle.done:
+                self._fail(seq, ModelUnavailableError(f"model '{self.name}' stopped before this request finished"))
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams, priority: int,
                        deadline_ns: int | None, arrival_ns: int) -> AsyncIterator[GenerationEvent]:

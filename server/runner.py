@@ -36,9 +36,19 @@ class ModelRunner:
         self._wake = asyncio.Event()
         self._accepting = True
         self._task: asyncio.Task | None = None
+        self._admitted: set[InferRequest] = set()  # queued or running, not yet answered
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"runner-{self.name}-{self.version}")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """However the loop ended (drained, cut off after the grace period, crashed), answer everyone left."""
+        self._accepting = False
+        if not task.cancelled() and task.exception() is not None:
+            log.error("model '%s': batching loop failed", self.name, exc_info=task.exception())
+        for request in list(self._admitted):
+            _abandon(request, ModelUnavailableError(f"model '{self.name}' version {self.version} stopped before this request ran"))
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Queue a request and wait for its outputs; a cancelled caller leaves the queue."""
@@ -52,6 +62,7 @@ class ModelRunner:
             raise
         if self._order is not None:
             self._order.admit(request)
+        self._admitted.add(request)
         self._wake.set()
         try:
             outputs = await request.future
@@ -65,6 +76,8 @@ class ModelRunner:
             reason = "BACKEND" if not isinstance(exc, DeadlineExceededError) else "REJECTED"
             self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason=reason)
             raise
+        finally:
+            self._admitted.discard(request)
         self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return outputs
 
@@ -157,6 +170,11 @@ async def drain(loop_task: asyncio.Task | None, grace_s: float) -> None:
         await asyncio.wait_for(asyncio.shield(loop_task), grace_s)
     except TimeoutError:
         loop_task.cancel()
+
+
+def _abandon(request: InferRequest, error: FerryError) -> None:
+    if request.future is not None and not request.future.done():
+        request.future.set_exception(error)
 
 
 def _setter(request: InferRequest, outputs=None, error: FerryError | None = None):

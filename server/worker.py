@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from server.backends.base import Backend
-from server.errors import BackendError
+from server.errors import BackendError, FerryError
 from server.padding import PadCount
 from server.request import Batch
 from server.signature import Signature
@@ -44,7 +44,7 @@ class Worker:
         t1 = time.monotonic_ns()
         try:
             outputs = self.backend.execute(inputs)
-        except BackendError:
+        except FerryError:
             raise
         except Exception as exc:  # a model failure fails its own batch, never the server
             raise BackendError(f"model '{self.signature.model}' failed: {exc}") from exc

@@ -25,6 +25,12 @@ class Device:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
 
 
+def parameter(config: mc.ModelConfig, key: str, default: str | None = None) -> str | None:
+    """A config `parameters` entry (Triton keeps these as strings)."""
+    value = config.parameters.get(key)
+    return value.string_value if value is not None else default
+
+
 class Backend(ABC):
     name: str  # as written in a config's `backend` field
     default_filename: str

@@ -18,9 +18,8 @@ from onnx import helper
 
 from protos import model_config_pb2 as mc
 from server import datatypes
-from server.backends.base import Backend, Device
+from server.backends.base import Backend, Device, parameter
 from server.errors import ConfigError
-from server.repository.config import parameter
 
 log = logging.getLogger(__name__)
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"

@@ -14,7 +14,7 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend
-from server.errors import BackendError, ConfigError
+from server.errors import BackendError, ConfigError, InvalidInputError
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +48,13 @@ class TorchBackend(Backend):
 
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         device = torch.device(str(self.device))
+        given = [name for name in self._inputs if name in inputs]
+        if given != self._inputs[: len(given)]:  # positional arguments: a gap would shift the rest
+            raise InvalidInputError(f"model '{self.config.name}' takes its inputs by position: an optional input "
+                                    f"may only be left out after every input that is sent (order: {self._inputs})")
         with torch.inference_mode():
             # Views over request bytes are read-only; torch needs writable memory, so copy those once.
-            args = [
-                torch.from_numpy(v if v.flags.writeable else v.copy()).to(device)
-                for v in (inputs[name] for name in self._inputs if name in inputs)
-            ]
+            args = [torch.from_numpy(v if v.flags.writeable else v.copy()).to(device) for v in (inputs[n] for n in given)]
             result = self.module(*args)
         return {name: t.detach().cpu().numpy() for name, t in self._named(result).items()}
 

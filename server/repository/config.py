@@ -101,8 +101,3 @@ def validate(config: mc.ModelConfig, source: str) -> None:
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
 
-
-def parameter(config: mc.ModelConfig, key: str, default: str | None = None) -> str | None:
-    """A config `parameters` entry (Triton keeps these as strings)."""
-    value = config.parameters.get(key)
-    return value.string_value if value is not None else default

@@ -47,6 +47,7 @@ class Registry:
         self._models: dict[str, dict[int, ModelVersion]] = {}
         self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
         self._locks: dict[str, asyncio.Lock] = {}  # one load or unload of a model at a time
+        self._tasks: set[asyncio.Task] = set()  # loads and unloads in progress
 
     async def load_all(self) -> None:
         dirs = loader.scan(self.root)
@@ -58,8 +59,7 @@ class Registry:
         model_dir = self.root / name
         if not model_dir.is_dir() or name.startswith((".", "__")) or "/" in name:
             raise ModelNotFoundError(f"no model folder '{name}' in the model repository {self.root}")
-        async with self._lock(name):
-            error = await self._load(model_dir)
+        error = await self._owned(self._locked(name, self._load(model_dir)))
         if error:
             raise ModelUnavailableError(f"failed to load model '{name}': {error}")
 
@@ -67,14 +67,25 @@ class Registry:
         """Stop serving a model: refuse new requests, let admitted ones finish, release its memory."""
         if not self.knows(name):
             raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
-        async with self._lock(name):
-            versions = list(self._models.get(name, {}).values())
-            await self._retire(versions, grace_s)
-            for mv in versions:
-                mv.state, mv.reason, mv.runner = UNAVAILABLE, "unloaded", None
+        await self._owned(self._locked(name, self._unload(name, grace_s)))
 
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
+    async def _unload(self, name: str, grace_s: float) -> str:
+        versions = list(self._models.get(name, {}).values())
+        await self._retire(versions, grace_s)
+        for mv in versions:
+            mv.state, mv.reason, mv.runner = UNAVAILABLE, "unloaded", None
+        return ""
+
+    async def _locked(self, name: str, work):
+        async with self._locks.setdefault(name, asyncio.Lock()):
+            return await work
+
+    async def _owned(self, work):
+        """Run `work` as a task of the registry's own; a cancelled caller stops waiting, the work goes on."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return await asyncio.shield(task)
 
     async def _load(self, model_dir: Path) -> str:
         """Load a model folder; returns '' or why nothing of it is ready."""

@@ -48,7 +48,10 @@ class RepositoryWatcher:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.poll()
+            try:
+                await self.poll()
+            except Exception:  # noqa: BLE001 - a bad poll must not end hot reload
+                log.exception("polling the model repository failed")
 
     async def poll(self) -> None:
         current = await asyncio.to_thread(fingerprints, self.registry.root)

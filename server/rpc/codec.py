@@ -1,8 +1,9 @@
 """KServe v2 tensors <-> numpy.
 
 Raw contents become numpy views over the received bytes (no copy, no per-element Python work);
-typed contents are converted by numpy from protobuf's repeated fields in C. BYTES is the one
-exception: each element is its own Python object, so it is parsed element by element.
+typed contents are read by numpy straight from protobuf's repeated fields (np.fromiter, no
+intermediate list). BYTES is the one exception: each element is its own Python object, so it is
+parsed element by element.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _TYPED_FIELD = {
 # Request parameters Triton reserves; anything else named triton_* is refused like Triton does.
 _RESERVED_TRITON_KEYS = {"triton_enable_empty_final_response"}
 _LENGTH = struct.Struct("<I")
+_NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
 
 
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
@@ -83,12 +85,20 @@ def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
     if dtype.api == "BYTES":
         array = np.empty(count, dtype=object)
         array[:] = list(values)
+    elif dtype.api in _NARROW_INTS:  # carried in 32-bit fields: check the range instead of wrapping silently
+        wide = np.fromiter(values, dtype=np.int64, count=count)
+        info = np.iinfo(dtype.numpy)
+        if count and (wide.min() < info.min or wide.max() > info.max):
+            raise InvalidInputError(f"input '{tensor.name}': values outside the {dtype.api} range [{info.min}, {info.max}]")
+        array = wide.astype(dtype.numpy)
     else:
-        array = np.array(values, dtype=dtype.numpy)
+        array = np.fromiter(values, dtype=dtype.numpy, count=count)
     return array.reshape(shape)
 
 
 def _parse_bytes(name: str, data: bytes, count: int) -> np.ndarray:
+    if count * 4 > len(data):  # every element carries a 4-byte length: refuse before allocating
+        raise InvalidInputError(f"input '{name}': {len(data)} bytes cannot hold {count} BYTES elements")
     out = np.empty(count, dtype=object)
     view, offset, end = memoryview(data), 0, len(data)
     for i in range(count):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -57,8 +58,9 @@ def translate_stream_errors(method):
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
-            async for response in method(self, request, context):
-                yield response
+            async with contextlib.aclosing(method(self, request, context)) as responses:
+                async for response in responses:
+                    yield response
         except errors.FerryError as exc:
             await context.abort(status_of(exc), exc.message)
         except Exception as exc:  # noqa: BLE001

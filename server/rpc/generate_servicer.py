@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from protos import generate_pb2 as gen
@@ -34,16 +35,22 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             deadlines.append(arrival + int(remaining * 1e9))
-        async for event in runner.generate(prompt, sampling, request.priority, min(deadlines, default=None), arrival):
-            response = gen.GenerateResponse(id=request.id, token_ids=event.token_ids, text=event.text)
-            if event.finish_reason is not None:
-                response.finish_reason = event.finish_reason
-                response.usage.prompt_tokens = event.prompt_tokens
-                response.usage.completion_tokens = event.completion_tokens
-                response.timings.queue_ms = event.queue_ms
-                response.timings.time_to_first_token_ms = event.ttft_ms
-                response.timings.total_ms = event.total_ms
-            yield response
+        events = runner.generate(prompt, sampling, request.priority, min(deadlines, default=None), arrival)
+        async with contextlib.aclosing(events) as events:  # a client gone closes it now, not at garbage collection
+            async for event in events:
+                yield _response(request.id, event)
+
+
+def _response(request_id: str, event) -> gen.GenerateResponse:
+    response = gen.GenerateResponse(id=request_id, token_ids=event.token_ids, text=event.text)
+    if event.finish_reason is not None:
+        response.finish_reason = event.finish_reason
+        response.usage.prompt_tokens = event.prompt_tokens
+        response.usage.completion_tokens = event.completion_tokens
+        response.timings.queue_ms = event.queue_ms
+        response.timings.time_to_first_token_ms = event.ttft_ms
+        response.timings.total_ms = event.total_ms
+    return response
 
 
 def _sampling(p: gen.SamplingParams, default_max_tokens: int) -> SamplingParams:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 from protos import grpc_service_pb2 as pb
@@ -100,8 +101,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def infer_one(request, mv, arrival):
             return await _infer(request, mv, arrival, context.time_remaining())
 
-        async for response in stream_infer(self.registry, request_iterator, infer_one):
-            yield response
+        remaining = context.time_remaining()
+        deadline = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else None
+        async with contextlib.aclosing(stream_infer(self.registry, request_iterator, infer_one, deadline)) as responses:
+            async for response in responses:
+                yield response
 
 
 async def _infer(request: pb.ModelInferRequest, mv: ModelVersion, arrival: int, remaining_s: float | None):

@@ -10,6 +10,7 @@ Triton's vLLM backend) follow that backend's tensor conventions: `text_input`, o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -27,22 +28,25 @@ InferOne = Callable[[pb.ModelInferRequest, ModelVersion, int], Awaitable[pb.Mode
 _SAMPLING_KEYS = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos"}
 
 
-async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInferRequest],
-                       infer_one: InferOne) -> AsyncIterator[pb.ModelStreamInferResponse]:
+async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInferRequest], infer_one: InferOne,
+                       deadline_ns: int | None = None) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """`deadline_ns`: the stream's own gRPC deadline, which bounds every generation on it."""
     out: asyncio.Queue = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
     previous: asyncio.Future | None = None  # the last ordered answer, which the next one waits for
 
     async def read() -> None:
         nonlocal previous
-        async for request in requests:
-            turn = asyncio.get_running_loop().create_future()
-            task = asyncio.create_task(_serve(registry, request, infer_one, out, previous, turn))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            previous = turn
-        await asyncio.gather(*list(tasks))
-        out.put_nowait(None)
+        try:
+            async for request in requests:
+                turn = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(_serve(registry, request, infer_one, out, previous, turn, deadline_ns))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                previous = turn
+            await asyncio.gather(*list(tasks))
+        finally:
+            out.put_nowait(None)  # however reading ended, the response side must too
 
     reader = asyncio.create_task(read())
     try:
@@ -54,20 +58,22 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
             task.cancel()
 
 
-async def _serve(registry, request, infer_one, out, previous, turn) -> None:
+async def _serve(registry, request, infer_one, out, previous, turn, deadline_ns) -> None:
     arrival = time.monotonic_ns()
     try:
         mv = registry.get(request.model_name, request.model_version)
         if isinstance(mv.runner, GenerationRunner):
             turn.set_result(None)  # decoupled: its responses interleave freely with the others
-            async for response in _generate(request, mv):
-                out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
+            async with contextlib.aclosing(_generate(request, mv, deadline_ns)) as responses:
+                async for response in responses:
+                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=response))
             return
         response = pb.ModelStreamInferResponse(infer_response=await infer_one(request, mv, arrival))
         _final(response.infer_response, True)
     except Exception as exc:  # noqa: BLE001 - one request's failure is reported on the stream, which goes on
         message = exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}"
-        response = pb.ModelStreamInferResponse(error_message=message, infer_response=pb.ModelInferResponse(id=request.id))
+        failed = _final(pb.ModelInferResponse(id=request.id, model_name=request.model_name), True)
+        response = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
     if previous is not None:
         await previous
     out.put_nowait(response)
@@ -80,7 +86,7 @@ def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferRespons
     return response
 
 
-async def _generate(request: pb.ModelInferRequest, mv: ModelVersion) -> AsyncIterator[pb.ModelInferResponse]:
+async def _generate(request: pb.ModelInferRequest, mv: ModelVersion, deadline_ns: int | None) -> AsyncIterator[pb.ModelInferResponse]:
     runner: GenerationRunner = mv.runner
     inputs = codec.decode_inputs(request)
     text = _scalar(inputs, "text_input")
@@ -93,18 +99,23 @@ async def _generate(request: pb.ModelInferRequest, mv: ModelVersion) -> AsyncIte
         exclude = streaming  # Triton's vLLM backend: non-streamed answers include the prompt
     if streaming and not exclude:
         raise InvalidInputError("exclude_input_in_output=false cannot be used with stream=true")
-    sampling = _sampling(inputs, codec.decode_parameters(request.parameters), runner.backend.settings.default_max_tokens)
+    params = codec.decode_parameters(request.parameters)
+    sampling = _sampling(inputs, params, runner.backend.settings.default_max_tokens)
     prompt = runner.backend.encode_prompt(prompt_text, None)
     arrival = time.monotonic_ns()
+    timeout_us, priority = params.get("timeout"), params.get("priority")
+    deadlines = [d for d in (deadline_ns, arrival + timeout_us * 1000 if timeout_us else None) if d is not None]
     pieces = [] if exclude else [prompt_text]
-    async for event in runner.generate(prompt, sampling, 0, None, arrival):
-        final = event.finish_reason is not None
-        if streaming:
-            yield _text_response(request, mv, event.text, final, event.finish_reason)
-        else:
-            pieces.append(event.text)
-            if final:
-                yield _text_response(request, mv, "".join(pieces), True, event.finish_reason)
+    events = runner.generate(prompt, sampling, int(priority or 0), min(deadlines, default=None), arrival)
+    async with contextlib.aclosing(events) as events:
+        async for event in events:
+            final = event.finish_reason is not None
+            if streaming:
+                yield _text_response(request, mv, event.text, final, event.finish_reason)
+            else:
+                pieces.append(event.text)
+                if final:
+                    yield _text_response(request, mv, "".join(pieces), True, event.finish_reason)
 
 
 def _text_response(request, mv: ModelVersion, text: str, final: bool, reason: str | None) -> pb.ModelInferResponse:

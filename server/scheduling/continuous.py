@@ -128,10 +128,12 @@ class ContinuousScheduler:
         return StepPlan(entries)
 
     def _admit(self, entries: list, budget: int) -> int:
-        margin = self.settings.admit_margin_blocks
+        # The margin protects running sequences from at-once re-eviction; with none running, a request
+        # that needs the whole pool must still be admitted or it would block the queue forever.
         while self._waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
             seq = self._waiting[0][-1]
             n = min(seq.pending, budget)
+            margin = self.settings.admit_margin_blocks if self.running else 0
             if not self.pool.can_hold(seq, seq.num_computed + n, margin):
                 break
             heapq.heappop(self._waiting)

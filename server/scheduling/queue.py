@@ -74,6 +74,7 @@ class RequestQueue:
         self._groups: dict[tuple, Group] = {}
         self._per_level = [0] * (len(policies) + 1)
         self._deadlines: list[tuple[int, int, InferRequest]] = []
+        self._departed = 0  # heap entries whose request already left the queue
         self._sequence = itertools.count()
 
     def __len__(self) -> int:
@@ -173,3 +174,10 @@ class RequestQueue:
     def _unplace(self, request: InferRequest) -> None:
         request.slot = None
         self._per_level[request.lane] -= 1
+        if request.deadline_ns is not None:
+            self._departed += 1
+            if self._departed > 64 and self._departed * 2 > len(self._deadlines):
+                # Left requests would otherwise stay referenced (inputs and all) behind a live head.
+                self._deadlines = [e for e in self._deadlines if e[2].slot is not None]
+                heapq.heapify(self._deadlines)
+                self._departed = 0

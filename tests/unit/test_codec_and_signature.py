@@ -35,13 +35,13 @@ def test_bytes_round_trip_with_length_prefixes():
     assert decoded.tolist() == values.tolist()
 
 
-@pytest.mark.parametrize("raw, words", [
-    (b"\x05\x00\x00\x00ab", "past the end"), (b"\x01\x00\x00\x00a\x00", "ends after"),
-    (b"\x01\x00\x00\x00a\x01\x00\x00\x00bX", "left over"),
+@pytest.mark.parametrize("raw, count, words", [
+    (b"\x05\x00\x00\x00ab", 1, "past the end"), (b"\x01\x00\x00\x00a\x00\x00\x00", 2, "ends after"),
+    (b"\x01\x00\x00\x00a\x01\x00\x00\x00bX", 2, "left over"),
 ])
-def test_malformed_bytes_are_refused(raw, words):
+def test_malformed_bytes_are_refused(raw, count, words):
     with pytest.raises(InvalidInputError, match=words):
-        codec.decode_inputs(raw_request("s", "BYTES", [2], raw))
+        codec.decode_inputs(raw_request("s", "BYTES", [count], raw))
 
 
 def test_unknown_datatype_and_reserved_parameter_are_refused():
@@ -84,3 +84,18 @@ def test_signature_batch_size_and_join_key():
 def test_signature_refusals_name_the_problem(inputs, words):
     with pytest.raises(InvalidInputError, match=words):
         signature().check_inputs(inputs)
+
+
+def test_bytes_shape_larger_than_the_content_is_refused_before_allocating():
+    with pytest.raises(InvalidInputError, match="cannot hold"):
+        codec.decode_inputs(raw_request("s", "BYTES", [10**12], b"\x01\x00\x00\x00a"))
+
+
+def test_typed_narrow_integers_out_of_range_are_refused():
+    request = pb.ModelInferRequest(model_name="m")
+    tensor = request.inputs.add(name="x", datatype="INT8", shape=[2])
+    tensor.contents.int_contents.extend([1, 300])
+    with pytest.raises(InvalidInputError, match="INT8 range"):
+        codec.decode_inputs(request)
+    tensor.contents.int_contents[1] = -128
+    assert codec.decode_inputs(request)["x"].tolist() == [1, -128]

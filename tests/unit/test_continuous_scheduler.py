@@ -165,3 +165,12 @@ def test_fragmentation_counts_unfilled_slots_of_allocated_blocks():
     assert len(q.block_table) == 2 and pool.fragmentation([q]) == pytest.approx(3 / 8)
     pool.free(q)
     assert pool.num_free == 8 and pool.fragmentation([q]) == 0.0
+
+
+def test_a_request_needing_the_whole_pool_is_admitted_once_nothing_runs():
+    s = scheduler(blocks=8, block_size=4, budget=200, margin=1)
+    big, small = seq(30, max_tokens=2), seq(3, max_tokens=2)  # big needs all 8 blocks: more than 8 - margin
+    s.submit(big)
+    s.submit(small)
+    plan = step(s)
+    assert [q for q, _ in plan.entries] == [big]  # the margin does not apply to an empty batch

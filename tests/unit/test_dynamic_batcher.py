@@ -136,3 +136,15 @@ def test_server_backstop_bounds_an_unbounded_policy():
         b.submit(req(), 0)
     b.next_batch(0)
     b.submit(req(), 0)  # room again once the queue drains
+
+
+def test_deadline_heap_does_not_hold_requests_that_left():
+    b = batcher(max_batch=1)
+    keeper = req(timeout_us=10**9)  # a live head with a late deadline
+    b.submit(keeper, 0)
+    for _ in range(500):
+        r = req(timeout_us=2 * 10**9)
+        b.submit(r, 0)
+        b.cancel(r)
+    assert len(b.queue._deadlines) < 200  # dispatched or cancelled requests are shed, not kept alive
+    assert b.expire(10**9 * 1000) == [keeper]

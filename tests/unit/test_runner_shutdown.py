@@ -1,0 +1,74 @@
+"""The model runner answers every admitted request, however its loop ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from protos import model_config_pb2 as mc
+from server.backends.base import Backend, Device
+from server.errors import ModelUnavailableError
+from server.metrics import ModelStats
+from server.request import InferRequest
+from server.runner import ModelRunner
+from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
+from server.scheduling.queue import QueuePolicy, RequestQueue
+from server.signature import Signature
+from server.worker import Worker
+
+
+class SlowEcho(Backend):
+    """A real (if trivial) backend whose batches take longer than the test's grace period."""
+
+    name, default_filename = "slow", ""
+
+    def load(self) -> None:
+        pass
+
+    def execute(self, inputs):
+        time.sleep(0.5)
+        return {"y": inputs["x"]}
+
+
+def runner() -> ModelRunner:
+    config = mc.ModelConfig(name="m", max_batch_size=1)
+    config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[1])
+    config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[1])
+    worker = Worker(SlowEcho(config, None, Device("cpu")), Signature.from_config(config), "slow")
+    scheduler = DynamicBatcher(BatchingSettings(1), RequestQueue([QueuePolicy()]))
+    return ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None))
+
+
+def request(i: int) -> InferRequest:
+    return InferRequest("m", {"x": np.full((1, 1), i, np.float32)}, 1, (("x", (1,)),), arrival_ns=time.monotonic_ns())
+
+
+def test_requests_left_after_the_grace_period_are_answered_unavailable():
+    async def scenario():
+        r = runner()
+        r.start()
+        calls = [asyncio.create_task(r.infer(request(i))) for i in range(3)]
+        await asyncio.sleep(0.05)
+        await r.close(grace_s=0.2)  # the first batch is still running; two requests are queued
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert any(isinstance(x, ModelUnavailableError) for x in results)
+    assert all(isinstance(x, (dict, ModelUnavailableError)) for x in results)  # nobody is left waiting
+
+
+@pytest.mark.parametrize("grace_s", [5.0])
+def test_within_the_grace_period_everyone_is_served(grace_s):
+    async def scenario():
+        r = runner()
+        r.start()
+        calls = [asyncio.create_task(r.infer(request(i))) for i in range(2)]
+        await asyncio.sleep(0.05)
+        await r.close(grace_s)
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert [float(x["y"][0, 0]) for x in results] == [0.0, 1.0]
