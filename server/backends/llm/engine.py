@@ -138,22 +138,23 @@ class LLMBackend(Backend):
         decode, prefill = [], []
         logits_rows, samplers = [], []
         bs = self.settings.block_size
+        start = 0
         for seq, n in plan.entries:
-            start = len(ids)
             first = seq.num_computed
             ids.extend(seq.token_ids[first : first + n])
-            positions.extend(range(first, first + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(first, first + n))
-            (decode if n == 1 else prefill).append((start, n, first, table))
+            pos = np.arange(first, first + n)
+            positions.append(pos)
+            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)  # where each new K/V goes
+            (decode if n == 1 else prefill).append((start, n, first, seq.block_table))
             if first + n == seq.num_tokens:
                 logits_rows.append(start + n - 1)
                 samplers.append(seq)
+            start += n
         device = self.torch_device
         groups = [build_group(*zip(*group), bs, device) for group in (decode, prefill) if group]
-        meta = StepMetadata(torch.tensor(slots, device=device), groups)
+        meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), groups)
         with torch.inference_mode():
-            logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, device=device),
+            logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),
                                 self.caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=device))
             if not samplers:
                 return {}
