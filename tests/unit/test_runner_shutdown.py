@@ -26,7 +26,7 @@ class SlowEcho(Backend):
     name, default_filename = "slow", ""
 
     def load(self) -> None:
-        pass
+        """Nothing to read: the model is the sleep in execute."""
 
     def execute(self, inputs):
         time.sleep(0.5)
