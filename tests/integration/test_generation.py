@@ -169,3 +169,21 @@ def test_errors_and_kserve_views_of_a_generation_model(env):
     assert config.model_transaction_policy.decoupled  # what Triton clients read to know it streams
     stats = api.ModelStatistics(pb.ModelStatisticsRequest(name="llama")).model_stats[0]
     assert stats.inference_stats.success.count > 0 and stats.execution_count > 0
+
+
+def test_bfloat16_keeps_rotary_frequencies_in_float32(env):
+    _, repo = env
+    import torch
+
+    from protos import model_config_pb2 as mc
+    from server.backends.base import Device
+    from server.backends.llm.engine import LLMBackend
+    from server.backends.llm.llama import rope_inv_freq
+
+    config = mc.ModelConfig(name="llama", backend="llm")
+    config.generation.num_kv_blocks, config.generation.dtype = 8, "bfloat16"
+    backend = LLMBackend(config, repo / "llama" / "1" / "config.json", Device("cpu"))
+    backend.load()
+    assert backend.model.lm_head.weight.dtype == torch.bfloat16
+    assert backend.model.inv_freq.dtype == torch.float32
+    assert torch.equal(backend.model.inv_freq, rope_inv_freq(backend.args))

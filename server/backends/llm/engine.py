@@ -17,7 +17,7 @@ from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
 from server.backends.llm.attention import StepMetadata, build_group
 from server.backends.llm.hf_config import LlamaArgs
-from server.backends.llm.llama import LlamaForCausalLM
+from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
 from server.backends.llm.sampler import sample
 from server.backends.llm.tokenizer import TextTokenizer
 from server.errors import ConfigError, InvalidInputError
@@ -86,6 +86,8 @@ class LLMBackend(Backend):
         model = LlamaForCausalLM(self.args)
         model.load_weights(self.folder)
         self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
+        # .to(dtype) converts buffers too; rotary frequencies rounded to bf16 would skew positions.
+        self.model.inv_freq = rope_inv_freq(self.args).to(self.torch_device)
         self.tokenizer = TextTokenizer(self.folder)
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.args.eos_token_ids
         limit = self.settings.max_model_len or self.args.max_position
