@@ -52,3 +52,20 @@ def test_generation_on_cuda_matches_the_cpu(tmp_path):
                     scheduler.finish(seq, "length")
         outputs[device.kind] = [s.output_ids for s in seqs]
     assert outputs["cuda"] == outputs["cpu"]
+
+
+def test_kv_pool_sized_from_gpu_memory_when_not_given(tmp_path):
+    pytest.importorskip("transformers", reason="builds the test model")
+    from protos import model_config_pb2 as mc
+    from server.backends.base import Device
+    from server.backends.llm.engine import LLMBackend
+    from tests.llm_builders import build_model
+
+    folder = build_model(tmp_path / "m" / "1")
+    config = mc.ModelConfig(name="m", backend="llm")
+    config.generation.gpu_memory_utilization = 0.5
+    backend = LLMBackend(config, folder / "config.json", Device("cuda", 0))
+    backend.load()
+    free, total = torch.cuda.mem_get_info(0)
+    kv_bytes = sum(k.numel() * k.element_size() * 2 for k, _ in backend.caches)
+    assert backend.num_kv_blocks > 1000 and kv_bytes <= total * 0.5

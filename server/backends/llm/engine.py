@@ -31,22 +31,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class GenerationSettings:
     block_size: int = 16
     num_kv_blocks: int = 0
-    kv_cache_memory_mb: int = 256
+    kv_cache_memory_mb: int = 0  # 0: 256 MB on the CPU; on CUDA what gpu_memory_utilization leaves
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int = 0
     dtype: str = "auto"
     max_waiting: int = 1024
     default_max_tokens: int = 256
+    gpu_memory_utilization: float = 0.9
 
     @classmethod
     def from_config(cls, g: mc.ModelGeneration, source: str) -> GenerationSettings:
         defaults = cls()
         values = {f: getattr(g, f) or getattr(defaults, f) for f in (
             "block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "dtype", "max_waiting", "default_max_tokens")}
+            "max_model_len", "dtype", "max_waiting", "default_max_tokens", "gpu_memory_utilization")}
         if values["dtype"] not in ("auto", *_DTYPES):
             raise ConfigError(f"{source}: field 'generation.dtype' is {values['dtype']!r}; use auto, {', '.join(_DTYPES)}")
+        if not 0 < values["gpu_memory_utilization"] <= 1:
+            raise ConfigError(f"{source}: field 'generation.gpu_memory_utilization' must be within (0, 1], "
+                              f"got {values['gpu_memory_utilization']}")
         if values["block_size"] > 1024:
             raise ConfigError(f"{source}: field 'generation.block_size' {values['block_size']} is too large (<= 1024)")
         return cls(**values)
@@ -114,7 +118,16 @@ class LLMBackend(Backend):
             return self.settings.num_kv_blocks
         a = self.args
         per_block = 2 * a.num_layers * self.settings.block_size * a.num_kv_heads * a.head_dim * self.dtype.itemsize
-        return max(1, self.settings.kv_cache_memory_mb * 2**20 // per_block)
+        budget = self.settings.kv_cache_memory_mb * 2**20
+        if not budget and self.device.kind == "cuda":
+            # As vLLM does: what is left of the allowed share once the weights are loaded goes to KV.
+            free, total = torch.cuda.mem_get_info(self.device.index)
+            used = total - free
+            budget = int(total * self.settings.gpu_memory_utilization) - used
+            if budget < per_block:
+                raise ConfigError(f"{self.folder}: no GPU memory left for the KV cache ({free / 2**30:.1f} GiB free of "
+                                  f"{total / 2**30:.1f}); lower the model size or raise gpu_memory_utilization")
+        return max(1, (budget or 256 * 2**20) // per_block)
 
     def _allocate_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         slots = self.num_kv_blocks * self.settings.block_size
