@@ -99,14 +99,15 @@ class Registry:
                 self._errors[name] = reason
             return reason
         versions = {entry.version: self._start(name, entry) for entry in loaded}
-        ready = [mv for mv in versions.values() if mv.ready]
+        ready = any(mv.ready for mv in versions.values())
+        why = "" if ready else "; ".join(f"version {v}: {mv.reason}" for v, mv in versions.items()) or "no version to serve"
         if not ready and self.ready_versions(name):
-            return "; ".join(f"version {v}: {mv.reason}" for v, mv in versions.items()) or "no version to serve"
+            return why  # the versions already serving stay
         old = list(self._models.get(name, {}).values())
         self._models[name] = versions
         self._errors.pop(name, None)
         await self._retire(old, grace_s=30.0)
-        return "" if ready else "; ".join(f"version {v}: {mv.reason}" for v, mv in versions.items())
+        return why
 
     def _start(self, name: str, entry: loader.LoadedVersion) -> ModelVersion:
         mv = ModelVersion(name, entry.version, config=entry.config, signature=entry.signature)
