@@ -85,14 +85,7 @@ class ModelRunner:
         loop = asyncio.get_running_loop()
         while self._accepting or len(self.scheduler) or len(self._idle) < len(self.workers):
             now = time.monotonic_ns()
-            self._expire(now)
-            # Draining: nobody else is coming, so every batching window counts as closed.
-            cut_at = now if self._accepting else _FAR_FUTURE_NS
-            while self._idle:
-                batch = self.scheduler.next_batch(cut_at)
-                if batch is None:
-                    break
-                self._dispatch(batch, now)
+            self._feed(now)
             self.stats.set_queue(len(self.scheduler), self.scheduler.window_ns(), self.scheduler.buckets())
             self._wake.clear()
             wake_ns = self.scheduler.next_event_ns(now)
@@ -102,6 +95,17 @@ class ModelRunner:
             await self._wake.wait()
             if timer is not None:
                 timer.cancel()
+
+    def _feed(self, now: int) -> None:
+        """Expire what is overdue, then give every idle instance a batch the scheduler is ready to cut."""
+        self._expire(now)
+        # Draining: nobody else is coming, so every batching window counts as closed.
+        cut_at = now if self._accepting else _FAR_FUTURE_NS
+        while self._idle:
+            batch = self.scheduler.next_batch(cut_at)
+            if batch is None:
+                break
+            self._dispatch(batch, now)
 
     def _expire(self, now: int) -> None:
         for request in self.scheduler.expire(now):
@@ -123,6 +127,7 @@ class ModelRunner:
 
     async def _run(self, worker: Worker, batch: Batch) -> None:
         started = time.monotonic_ns()
+        result, error = None, None
         try:
             result = await worker.run(batch)
         except Exception as exc:  # noqa: BLE001 - whatever went wrong fails this batch only
@@ -130,19 +135,27 @@ class ModelRunner:
                 log.exception("model '%s': unexpected error running a batch", self.name)
                 exc = BackendError(f"model '{self.name}': {type(exc).__name__}: {exc}")
             log.warning("model '%s' batch of %d failed: %s", self.name, batch.size, exc.message)
-            self.scheduler.complete(batch, None, time.monotonic_ns())
-            for request in batch.requests:
-                self._fail(request, exc)
-        else:
-            done = time.monotonic_ns()
-            self.stats.record_batch(batch.size, len(batch.requests), result.input_ns, result.infer_ns, result.output_ns,
-                                    result.padding.padded, result.padding.computed, batch.bucket)
-            self.scheduler.complete(batch, done - started, done)
-            for request, outputs in zip(batch.requests, result.outputs):
-                self._finish(request, _setter(request, outputs))
+            error = exc
         finally:
-            self._idle.append(worker)
-            self._wake.set()
+            done = time.monotonic_ns()
+            self.scheduler.complete(batch, None if result is None else done - started, done)
+            self._release(worker, done)
+        if error is not None:
+            for request in batch.requests:
+                self._fail(request, error)
+            return
+        self.stats.record_batch(batch.size, len(batch.requests), result.input_ns, result.infer_ns, result.output_ns,
+                                result.padding.padded, result.padding.computed, batch.bucket)
+        for request, outputs in zip(batch.requests, result.outputs):
+            self._finish(request, _setter(request, outputs))
+
+    def _release(self, worker: Worker, now: int) -> None:
+        """Refill a freed instance at once, before its batch is answered: answering wakes one handler per
+        request, and the instance would otherwise sit idle while the loop encodes and sends them all."""
+        self._idle.append(worker)
+        if self._task is not None and not self._task.done():
+            self._feed(now)
+        self._wake.set()
 
     def _fail(self, request: InferRequest, error: FerryError) -> None:
         self._finish(request, _setter(request, error=error))

@@ -9,7 +9,10 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     peak, the apparent concurrency C (it rises at once and halves every 100 ms without a new peak).
     If everyone recently seen is already waiting here (C - in_system < 1), nobody else is coming
     soon: dispatch now. This is what keeps a closed loop of k clients from waiting for arrivals that
-    only its own answers trigger. Likewise when no request came for two mean gaps: the stream paused.
+    only its own answers trigger. Likewise when no request came for eight mean gaps: the stream
+    paused. (Not fewer: one Poisson gap in seven is twice the mean, and a closed loop's answers come
+    back in clumps, so a short lull is normal; ending windows on it cut batches of 1-5 rows between
+    the real ones and broke the clients into ragged cohorts.)
   * Otherwise e = min(C - in_system, max_batch_size - n) more rows are expected, at the observed
     arrival rate r, within w = e / r. Is waiting worth it? The instance's load at that batch size is
     R * exec(n + e) / (n + e), with R the arrival rate sustained over the last ~100 arrivals. Below
@@ -38,7 +41,7 @@ _BOTTLENECK_LOAD = 0.5  # instance load above which idling it costs throughput
 _MIN_GROWTH = 0.25  # with slack, wait only if the batch would grow by at least a quarter
 _PEAK_HALF_LIFE_NS = 100_000_000  # how fast the apparent concurrency forgets an old peak
 _WAIT_EXEC_RATIO = 4.0  # never wait longer than this many executions of the grown batch
-_PAUSE_GAPS = 2.0  # no arrival for this many mean gaps: the stream paused, stop waiting for it
+_PAUSE_GAPS = 8.0  # no arrival for this many mean gaps: the stream paused (a Poisson gap that long: 1 in 3000)
 
 
 class FixedWindow:

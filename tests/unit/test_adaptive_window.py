@@ -73,7 +73,9 @@ def test_a_paused_stream_is_not_waited_for():
         w.on_arrival(i * 100 * US, in_system=i + 1)  # 20 clients seen, one arrival every 0.1 ms
     last = 19 * 100 * US
     assert w.close_ns(last, 1, last, in_system=1) > last  # right after an arrival: more are expected
-    later = last + 300 * US  # three mean gaps of silence
+    lull = last + 300 * US  # three mean gaps: one Poisson gap in twenty is that long, not a pause
+    assert w.close_ns(last, 1, lull, in_system=1) > lull
+    later = last + 1 * MS  # ten mean gaps of silence: the stream paused
     assert w.close_ns(last, 1, later, in_system=1) == later
 
 
