@@ -37,6 +37,7 @@ class ModelRunner:
         self._accepting = True
         self._task: asyncio.Task | None = None
         self._admitted: set[InferRequest] = set()  # queued or running, not yet answered
+        self._timer_ns: int | None = None  # when the loop wakes by itself next (None: only when told)
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"runner-{self.name}-{self.version}")
@@ -63,7 +64,10 @@ class ModelRunner:
         if self._order is not None:
             self._order.admit(request)
         self._admitted.add(request)
-        self._wake.set()
+        if self._idle or _sooner(request.deadline_ns, self._timer_ns):
+            self._wake.set()
+        else:  # every instance is busy and no earlier timer is needed: the next release cuts the batch
+            self.stats.pending = len(self.scheduler)
         try:
             outputs = await request.future
         except asyncio.CancelledError:
@@ -88,7 +92,7 @@ class ModelRunner:
             self._feed(now)
             self.stats.set_queue(len(self.scheduler), self.scheduler.window_ns(), self.scheduler.buckets())
             self._wake.clear()
-            wake_ns = self.scheduler.next_event_ns(now)
+            wake_ns = self._timer_ns = self.scheduler.next_event_ns(now)
             timer = None
             if wake_ns is not None:
                 timer = loop.call_later(max(0, wake_ns - time.monotonic_ns()) / 1e9, self._wake.set)
@@ -183,6 +187,10 @@ async def drain(loop_task: asyncio.Task | None, grace_s: float) -> None:
         await asyncio.wait_for(asyncio.shield(loop_task), grace_s)
     except TimeoutError:
         loop_task.cancel()
+
+
+def _sooner(deadline_ns: int | None, timer_ns: int | None) -> bool:
+    return deadline_ns is not None and (timer_ns is None or deadline_ns < timer_ns)
 
 
 def _abandon(request: InferRequest, error: FerryError) -> None:
