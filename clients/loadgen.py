@@ -9,6 +9,8 @@ With `streaming=True` the calls are Ferry's server-streaming Generate, timed tok
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -168,6 +170,19 @@ async def _warm(channel, method_path: str, streaming: bool, payloads: list[bytes
         raise RuntimeError(f"warm-up requests failed: {tally.errors}")
 
 
+@contextlib.contextmanager
+def _still_heap():
+    """Keep this process's long-lived objects out of collections while measuring: a full collection
+    over everything numpy, grpc and the caller imported pauses every caller for tens of ms and would
+    be charged to the server's latency. New garbage is still collected."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 async def _report_progress(tally: _Tally, progress: Callable[[int], None]) -> None:
     while True:  # a ticker, so the callers' hot path never calls back
         await asyncio.sleep(_PROGRESS_EVERY_S)
@@ -196,10 +211,11 @@ async def closed_loop(address: str, payloads: list[bytes], concurrency: int, req
                 await send(payloads[(offset + sent) % len(payloads)])
 
         ticker = asyncio.ensure_future(_report_progress(tally, progress)) if progress else None
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        stop_at = t0 + duration_s if duration_s is not None else None
-        await asyncio.gather(*(caller(i) for i in range(concurrency)))
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        with _still_heap():
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            stop_at = t0 + duration_s if duration_s is not None else None
+            await asyncio.gather(*(caller(i) for i in range(concurrency)))
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if ticker:
             ticker.cancel()
     return tally.result(wall, cpu, sent, streaming, concurrency=concurrency)
@@ -220,18 +236,19 @@ async def open_loop(address: str, payloads: list[bytes], rate: float, requests: 
         send = _sender(channel, method_path, streaming, timeout_s, tally)
         tasks = []
         ticker = asyncio.ensure_future(_report_progress(tally, progress)) if progress else None
-        cpu0, t0 = time.process_time(), time.perf_counter()
-        due = t0
-        while requests is None or len(tasks) < requests:
-            due += rng.exponential(1.0 / rate)
-            if duration_s is not None and due > t0 + duration_s:
-                break
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            tasks.append(asyncio.ensure_future(send(payloads[len(tasks) % len(payloads)])))
-        await asyncio.gather(*tasks)
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        with _still_heap():
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            due = t0
+            while requests is None or len(tasks) < requests:
+                due += rng.exponential(1.0 / rate)
+                if duration_s is not None and due > t0 + duration_s:
+                    break
+                delay = due - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(send(payloads[len(tasks) % len(payloads)])))
+            await asyncio.gather(*tasks)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if ticker:
             ticker.cancel()
     return tally.result(wall, cpu, len(tasks), streaming, request_rate=rate)
