@@ -45,11 +45,12 @@ class QueuePolicy:
 class Group:
     """Queued requests that share a join key, one FIFO lane per priority level plus a late lane."""
 
-    __slots__ = ("key", "lanes")
+    __slots__ = ("key", "lanes", "rows")
 
     def __init__(self, key: tuple, levels: int):
         self.key = key
         self.lanes = [deque() for _ in range(levels + 1)]  # last lane: DELAY requests past their deadline
+        self.rows = 0  # batch rows of every request queued here, kept by the queue
 
     def head(self) -> InferRequest | None:
         for lane in self.lanes:
@@ -112,7 +113,7 @@ class RequestQueue:
         request.enqueue_ns = now_ns
         request.deadline_ns = policy.deadline_ns(request.arrival_ns or now_ns, request.timeout_us, request.deadline_ns)
         request.timeout_action = policy.timeout_action
-        self._place(request, group.lanes[level - 1], level - 1)
+        self._place(request, group, level - 1)
         if request.deadline_ns is not None:
             heapq.heappush(self._deadlines, (request.deadline_ns, request.sequence, request))
 
@@ -121,8 +122,8 @@ class RequestQueue:
         if lane is None:
             return False
         lane.remove(request)
-        self._unplace(request)
         group = self._groups[request.group_key]
+        self._unplace(request, group)
         if group.head() is None:
             del self._groups[group.key]
         return True
@@ -138,7 +139,7 @@ class RequestQueue:
             if request.timeout_action == DELAY:
                 key = request.group_key
                 group = self._groups.setdefault(key, Group(key, len(self.policies)))
-                self._place(request, group.lanes[-1], len(self.policies))
+                self._place(request, group, len(self.policies))
             else:
                 rejected.append(request)
         return rejected
@@ -160,20 +161,23 @@ class RequestQueue:
         for lane in group.lanes:
             while lane and len(taken) < count:
                 request = lane.popleft()
-                self._unplace(request)
+                self._unplace(request, group)
                 taken.append(request)
         if group.head() is None:
             del self._groups[group.key]
         return taken
 
-    def _place(self, request: InferRequest, lane: deque, index: int) -> None:
+    def _place(self, request: InferRequest, group: Group, index: int) -> None:
+        lane = group.lanes[index]
         lane.append(request)
         request.slot, request.lane = lane, index
         self._per_level[index] += 1
+        group.rows += request.batch_size
 
-    def _unplace(self, request: InferRequest) -> None:
+    def _unplace(self, request: InferRequest, group: Group) -> None:
         request.slot = None
         self._per_level[request.lane] -= 1
+        group.rows -= request.batch_size
         if request.deadline_ns is not None:
             self._departed += 1
             if self._departed > 64 and self._departed * 2 > len(self._deadlines):

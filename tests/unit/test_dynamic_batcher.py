@@ -148,3 +148,24 @@ def test_deadline_heap_does_not_hold_requests_that_left():
         b.cancel(r)
     assert len(b.queue._deadlines) < 200  # dispatched or cancelled requests are shed, not kept alive
     assert b.expire(10**9 * 1000) == [keeper]
+
+
+def test_group_row_count_follows_every_way_in_and_out():
+    # the batcher trusts this count to skip walking the queue, so every path must keep it exact
+    policy = QueuePolicy(timeout_action=DELAY, default_timeout_us=1000)
+    b = batcher(max_batch=8, delay_ms=100, policies=[policy])
+    rs = submit_all(b, [req(rows=2), req(rows=3), req(rows=1)])
+    group = b.queue.groups()[0]
+
+    def walked():
+        return sum(r.batch_size for r in group)
+
+    assert group.rows == walked() == 6
+    b.cancel(rs[1])
+    assert group.rows == walked() == 3
+    b.expire(2 * MS)  # both DELAYed into the late lane of the same group
+    assert group.rows == walked() == 3
+    submit_all(b, [req(rows=4), req(rows=2)], now=2 * MS)  # 9 rows queued: over max_batch, a walk decides
+    assert group.rows == walked() == 9
+    assert b.next_batch(200 * MS).size == 8  # 4 + 2 from the live lane, then the late 2 (the late 1 won't fit)
+    assert group.rows == walked() == 1
