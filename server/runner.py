@@ -1,7 +1,9 @@
 """Feeds one model version's instances from its scheduler, on the event loop.
 
-The loop wakes on a new request, a finished batch, or the scheduler's next timer (a batching
-window closing, a deadline passing), so deadlines fire on time even while every instance is busy.
+The loop wakes on a finished batch, on the scheduler's next timer (a batching window closing, a
+deadline passing), and on a new request only when that can change something now: an instance is
+free, or the request's deadline comes before the timer already set. So deadlines fire on time even
+while every instance is busy, and a busy model does not pay a wake-up per arrival.
 """
 
 from __future__ import annotations
