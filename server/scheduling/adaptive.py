@@ -21,8 +21,10 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     Even then it waits only if the batch would grow by a quarter (e >= n / 4): the per-batch saving fades
     as batches grow, and waiting for the last stragglers of a closed loop costs more than it saves.
     At 1/2 or more the instance is the bottleneck and idling it costs throughput: wait only if it
-    serves more rows per unit time, (n + e) / (w + exec(n + e)) > n / exec(n), as on a GPU whose
-    batch costs the same at any size.
+    serves clearly more rows per unit time, (n + e) / (w + exec(n + e)) > 1.1 * n / exec(n), as on a
+    GPU whose batch costs the same at any size. (The 10% margin: where rows cost about the same in any
+    batch, as on a CPU, the two sides differ by the noise in exec(), and waiting on noise idles the
+    instance for nothing.)
   * Never wait past  t0 + 0.8 * target - exec(n + e): the oldest request must still meet the target
     (20% of it is left for transport and jitter). Sparse traffic (r * remaining budget < 1) or no
     execution measurement yet: dispatch now, so nothing waits in vain and the model is measured first.
@@ -38,6 +40,7 @@ _ALPHA = 0.2  # weight of the newest observation in the moving averages
 _SLOW_ALPHA = 0.01
 _TARGET_SHARE = 0.8
 _BOTTLENECK_LOAD = 0.5  # instance load above which idling it costs throughput
+_MIN_GAIN = 1.1  # a bottleneck instance waits only for at least this much more rows per unit time
 _MIN_GROWTH = 0.25  # with slack, wait only if the batch would grow by at least a quarter
 _PEAK_HALF_LIFE_NS = 100_000_000  # how fast the apparent concurrency forgets an old peak
 _WAIT_EXEC_RATIO = 4.0  # never wait longer than this many executions of the grown batch
@@ -111,8 +114,8 @@ class AdaptiveWindow:
         decay = 1.0
         if self._last_arrival_ns is not None:
             gap = now_ns - self._last_arrival_ns
-            self._gap_ns = gap if self._gap_ns is None else self._gap_ns + _ALPHA * (gap - self._gap_ns)
-            self._long_gap_ns = gap if self._long_gap_ns is None else self._long_gap_ns + _SLOW_ALPHA * (gap - self._long_gap_ns)
+            self._gap_ns = _mean_with(self._gap_ns, gap, _ALPHA)
+            self._long_gap_ns = _mean_with(self._long_gap_ns, gap, _SLOW_ALPHA)
             decay = 0.5 ** (gap / _PEAK_HALF_LIFE_NS)
         self._last_arrival_ns = now_ns
         self.concurrency = max(float(in_system), self.concurrency * decay)
@@ -151,4 +154,13 @@ class AdaptiveWindow:
             # as the batch grows, so wait only for a real increase, not for the last stragglers.
             return expected >= rows * _MIN_GROWTH
         wait = expected / rate
-        return grown / (wait + exec_grown) > rows / max(self.exec.estimate(rows), 1.0)
+        return grown / (wait + exec_grown) > _MIN_GAIN * rows / max(self.exec.estimate(rows), 1.0)
+
+
+def _mean_with(mean: float | None, gap: int, alpha: float) -> float:
+    """Move a mean gap toward a new one. A pause counts as at most a long gap: after ten idle seconds
+    a burst would otherwise look like a trickle to the slow mean for hundreds of arrivals, and the
+    window would idle a busy instance as if it had slack."""
+    if mean is None:
+        return float(gap)
+    return mean + alpha * (min(gap, _PAUSE_GAPS * mean) - mean)

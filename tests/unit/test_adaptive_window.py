@@ -90,3 +90,20 @@ def test_compute_bound_instance_is_not_left_idle_for_a_bigger_batch():
     # 1.25 ms per row whatever the batch, 0.6 rows per ms arriving: the instance is the bottleneck and
     # waiting 27 ms for 16 more rows would serve fewer rows per second than running the 16 now
     assert window(gap_ns=1_667 * US, clients=64, waiting=16, target_ms=500, exec_1_ms=1.25, exec_32_ms=40) == 0
+
+
+def test_an_idle_spell_does_not_make_a_busy_instance_look_idle():
+    # as above, but the model sat idle for ten seconds before this traffic: the pause is not a rate
+    w = AdaptiveWindow(500 * MS, 32)
+    w.on_batch(1, int(1.25 * MS))
+    w.on_batch(32, 40 * MS)
+    now = 0
+    for i in range(50):
+        w.on_arrival(now, in_system=min(64, i + 1))
+        now += 1_667 * US
+    now += 10_000 * MS
+    for i in range(50):
+        w.on_arrival(now, in_system=min(64, i + 1))
+        now += 1_667 * US
+    now -= 1_667 * US
+    assert w.close_ns(now, 16, now, in_system=16) == now
