@@ -170,17 +170,25 @@ async def _warm(channel, method_path: str, streaming: bool, payloads: list[bytes
         raise RuntimeError(f"warm-up requests failed: {tally.errors}")
 
 
+_measuring = 0  # runs in flight in this process (a benchmark may overlap two)
+
+
 @contextlib.contextmanager
 def _still_heap():
     """Keep this process's long-lived objects out of collections while measuring: a full collection
     over everything numpy, grpc and the caller imported pauses every caller for tens of ms and would
     be charged to the server's latency. New garbage is still collected."""
-    gc.collect()
-    gc.freeze()
+    global _measuring
+    if _measuring == 0:
+        gc.collect()
+        gc.freeze()
+    _measuring += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        _measuring -= 1
+        if _measuring == 0:
+            gc.unfreeze()
 
 
 async def _report_progress(tally: _Tally, progress: Callable[[int], None]) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
+from server import heap
 from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
@@ -55,10 +55,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
         http, _ = start_http_server(config.metrics_port, addr=config.rpc.host, registry=prom)
         print(f"ferry: serving metrics on http://{config.rpc.host}:{http.server_port}/metrics", flush=True)
     await registry.load_all()
-    # Startup (torch, onnx, the models) leaves millions of long-lived objects; a full collection would
-    # walk them all, a stall of tens of ms for every request in flight. Park them outside the GC.
-    gc.collect()
-    gc.freeze()
+    heap.park()
     health.ready = True
     await rpc.set_serving(True)
     for name, state, reason in ((r[0], r[2], r[3]) for r in registry.index()):

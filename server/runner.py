@@ -40,6 +40,7 @@ class ModelRunner:
         self._task: asyncio.Task | None = None
         self._admitted: set[InferRequest] = set()  # queued or running, not yet answered
         self._timer_ns: int | None = None  # when the loop wakes by itself next (None: only when told)
+        self._cut_off = False  # the drain grace ran out: dispatch nothing more
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"runner-{self.name}-{self.version}")
@@ -144,7 +145,10 @@ class ModelRunner:
             error = exc
         finally:
             done = time.monotonic_ns()
-            self.scheduler.complete(batch, None if result is None else done - started, done)
+            try:
+                self.scheduler.complete(batch, None if result is None else done - started, done)
+            except Exception:  # noqa: BLE001 - the instance and the answers must not be lost with it
+                log.exception("model '%s': the scheduler failed to take back a batch", self.name)
             self._release(worker, done)
         if error is not None:
             for request in batch.requests:
@@ -159,9 +163,13 @@ class ModelRunner:
         """Refill a freed instance at once, before its batch is answered: answering wakes one handler per
         request, and the instance would otherwise sit idle while the loop encodes and sends them all."""
         self._idle.append(worker)
-        if self._task is not None and not self._task.done():
-            self._feed(now)
         self._wake.set()
+        if self._task is None or self._task.done() or self._cut_off:
+            return
+        try:
+            self._feed(now)
+        except Exception:  # noqa: BLE001 - the loop feeds again on its wake (and fails loudly if it must)
+            log.exception("model '%s': refilling a freed instance failed", self.name)
 
     def _fail(self, request: InferRequest, error: FerryError) -> None:
         self._finish(request, _setter(request, error=error))
@@ -177,6 +185,7 @@ class ModelRunner:
         self._accepting = False
         self._wake.set()
         await drain(self._task, grace_s)
+        self._cut_off = True  # set before anything else runs: the loop may only be cancelling yet
         for worker in self.workers:
             await asyncio.to_thread(worker.close)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protos import model_config_pb2 as mc
+from server import heap
 from server.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.metrics import Histograms, ModelStats
 from server.generation_metrics import GenerationFamilies, GenerationStats
@@ -134,6 +135,8 @@ class Registry:
                 mv.state = UNLOADING
                 closing.append(mv.runner.close(grace_s))
         await asyncio.gather(*closing)
+        if closing:
+            heap.reclaim()
 
     def _runner(self, name: str, entry: loader.LoadedVersion):
         stats = ModelStats(name, entry.version, self.histograms)

@@ -15,7 +15,8 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     the real ones and broke the clients into ragged cohorts.)
   * Otherwise e = min(C - in_system, max_batch_size - n) more rows are expected, at the observed
     arrival rate r, within w = e / r. Is waiting worth it? The instance's load at that batch size is
-    R * exec(n + e) / (n + e), with R the arrival rate sustained over the last ~100 arrivals. Below
+    R * exec(n + e) / (n + e), with R the arrival rate over the last second (its last 1024 arrivals at
+    most: a pause before them, however long, does not count, and clumps average out). Below
     1/2 the instance has slack (the server's bottleneck is elsewhere, e.g. per-request work on the
     CPU), so a larger batch costs no instance time and saves per-batch work.
     Even then it waits only if the batch would grow by a quarter (e >= n / 4): the per-batch saving fades
@@ -35,9 +36,11 @@ executed batch size, interpolated between sizes seen and scaled linearly beyond 
 from __future__ import annotations
 
 import bisect
+from collections import deque
 
 _ALPHA = 0.2  # weight of the newest observation in the moving averages
-_SLOW_ALPHA = 0.01
+_RATE_WINDOW_NS = 1_000_000_000  # the sustained arrival rate is counted over this much recent time
+_RATE_SAMPLES = 1024  # ... and over at most this many arrivals
 _TARGET_SHARE = 0.8
 _BOTTLENECK_LOAD = 0.5  # instance load above which idling it costs throughput
 _MIN_GAIN = 1.1  # a bottleneck instance waits only for at least this much more rows per unit time
@@ -105,7 +108,7 @@ class AdaptiveWindow:
         self.max_batch_size = max_batch_size
         self.exec = ExecTimes()
         self._gap_ns: float | None = None  # moving average of the time between arrivals
-        self._long_gap_ns: float | None = None  # the same over ~100 arrivals: the sustained load
+        self._recent: deque[int] = deque(maxlen=_RATE_SAMPLES)  # arrival times in the rate window
         self._last_arrival_ns: int | None = None
         self.concurrency = 0.0  # apparent concurrency: recent peak of requests in the system
         self.current_ns = 0  # the last window chosen, for the metrics page
@@ -114,11 +117,20 @@ class AdaptiveWindow:
         decay = 1.0
         if self._last_arrival_ns is not None:
             gap = now_ns - self._last_arrival_ns
-            self._gap_ns = _mean_with(self._gap_ns, gap, _ALPHA)
-            self._long_gap_ns = _mean_with(self._long_gap_ns, gap, _SLOW_ALPHA)
+            self._gap_ns = gap if self._gap_ns is None else self._gap_ns + _ALPHA * (gap - self._gap_ns)
             decay = 0.5 ** (gap / _PEAK_HALF_LIFE_NS)
         self._last_arrival_ns = now_ns
         self.concurrency = max(float(in_system), self.concurrency * decay)
+        recent = self._recent
+        recent.append(now_ns)
+        while recent[0] < now_ns - _RATE_WINDOW_NS:
+            recent.popleft()
+
+    def _sustained_rate(self) -> float:
+        recent = self._recent
+        if len(recent) < 2:
+            return 0.0
+        return (len(recent) - 1) / max(recent[-1] - recent[0], 1)
 
     def on_batch(self, rows: int, exec_ns: int) -> None:
         self.exec.observe(rows, exec_ns)
@@ -148,7 +160,7 @@ class AdaptiveWindow:
     def _worth_waiting(self, rows: int, expected: float, rate: float) -> bool:
         grown = rows + expected
         exec_grown = self.exec.estimate(grown)
-        sustained_rate = 1.0 / max(self._long_gap_ns, 1.0)  # a lull right now does not make the instance idle
+        sustained_rate = self._sustained_rate()  # a lull right now does not make the instance idle
         if sustained_rate * exec_grown / grown < _BOTTLENECK_LOAD:
             # The instance has slack: a bigger batch only saves per-batch work, and that saving fades
             # as the batch grows, so wait only for a real increase, not for the last stragglers.
@@ -156,11 +168,3 @@ class AdaptiveWindow:
         wait = expected / rate
         return grown / (wait + exec_grown) > _MIN_GAIN * rows / max(self.exec.estimate(rows), 1.0)
 
-
-def _mean_with(mean: float | None, gap: int, alpha: float) -> float:
-    """Move a mean gap toward a new one. A pause counts as at most a long gap: after ten idle seconds
-    a burst would otherwise look like a trickle to the slow mean for hundreds of arrivals, and the
-    window would idle a busy instance as if it had slack."""
-    if mean is None:
-        return float(gap)
-    return mean + alpha * (min(gap, _PAUSE_GAPS * mean) - mean)

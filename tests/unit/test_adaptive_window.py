@@ -107,3 +107,16 @@ def test_an_idle_spell_does_not_make_a_busy_instance_look_idle():
         now += 1_667 * US
     now -= 1_667 * US
     assert w.close_ns(now, 16, now, in_system=16) == now
+
+
+def test_sustained_rate_is_the_true_mean_of_clumped_arrivals():
+    # a closed loop's requests come back a batch at a time: 32 at once, then a 40 ms lull
+    w = AdaptiveWindow(50 * MS, 32)
+    now = 0
+    for _ in range(20):
+        for _ in range(32):
+            w.on_arrival(now, in_system=1)
+            now += 30 * US
+        now += 40 * MS - 30 * US
+    true_rate = 32 / (31 * 30 * US + 40 * MS)
+    assert abs(w._sustained_rate() / true_rate - 1) < 0.1

@@ -24,11 +24,13 @@ class SlowEcho(Backend):
     """A real (if trivial) backend whose batches take longer than the test's grace period."""
 
     name, default_filename = "slow", ""
+    executed = 0
 
     def load(self) -> None:
         """Nothing to read: the model is the sleep in execute."""
 
     def execute(self, inputs):
+        SlowEcho.executed += 1
         time.sleep(0.5)
         return {"y": inputs["x"]}
 
@@ -47,6 +49,8 @@ def request(i: int) -> InferRequest:
 
 
 def test_requests_left_after_the_grace_period_are_answered_unavailable():
+    SlowEcho.executed = 0
+
     async def scenario():
         r = runner()
         r.start()
@@ -58,6 +62,7 @@ def test_requests_left_after_the_grace_period_are_answered_unavailable():
     results = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert any(isinstance(x, ModelUnavailableError) for x in results)
     assert all(isinstance(x, (dict, ModelUnavailableError)) for x in results)  # nobody is left waiting
+    assert SlowEcho.executed == 1  # the batch that finished after the cut-off did not start another
 
 
 @pytest.mark.parametrize("grace_s", [5.0])
