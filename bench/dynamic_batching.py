@@ -8,7 +8,8 @@ One run measures, on this machine:
   * Ferry, closed loop with batch-1 requests, under no batching, fixed windows and the adaptive window,
 for a light MLP (server overhead dominates) and a heavy encoder (compute dominates). Each point is run
 --repeat times with the policies interleaved and the median kept (column `runs` lists all of them).
-It prints a table and the ratios, and appends both to bench/RESULTS.md.
+Both references (raw and floor) are re-measured all through the run, next to the points they are
+compared with (see Limits). It prints a table and the ratios, and appends both to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -97,14 +98,14 @@ def raw_at(rates: dict[int, float], batch: float) -> float:
     return float(np.interp(batch, sizes, [rates[s] for s in sizes]))
 
 
-def build_repository(root: Path) -> None:
+def build_repository(root: Path, raw_dir: Path) -> None:
     for family, (builder, _, _, target) in MODELS.items():
         for policy, text in POLICIES.items():
             name = model_name(family, policy)
             builder(root / name / "1" / "model.onnx")
             (root / name / "config.yaml").write_text(
                 "max_batch_size: 128\n" + INSTANCES[family] + text.replace("TARGET", str(target)))
-        builder(root / f"{family}_raw.onnx")
+        builder(raw_dir / f"{family}.onnx")
 
 
 def model_name(family: str, policy: str) -> str:
@@ -115,7 +116,33 @@ def drive(address: str, payload: bytes, concurrency: int, duration_s: float):
     return asyncio.run(closed_loop(address, [payload], concurrency, duration_s=duration_s, warmup=20))
 
 
-def measure_ferry(address: str, concurrencies: list[int], duration_s: float, repeat: int) -> list[dict]:
+class Limits:
+    """The two references Ferry is measured against, re-measured all through the run: a shared
+    machine drifts by 10-20% within minutes, so a reference taken once at the start would turn that
+    drift into a ratio. Raw ONNX Runtime is measured before every concurrency block of its model; the
+    floor server is driven inside every round, next to the policies. Medians are reported."""
+
+    def __init__(self, raw_dir: Path, floor_address: str):
+        self.raw_dir, self.floor_address = raw_dir, floor_address
+        self.raw_runs: dict[str, list[dict[int, float]]] = {family: [] for family in MODELS}
+        self.floor_runs: dict[int, list[float]] = {}
+        self._floor_payload = common.infer_payload("floor", {"x": np.random.default_rng(1).standard_normal((1, 256)).astype(np.float32)})
+
+    def measure_raw(self, family: str) -> None:
+        self.raw_runs[family].append(raw_throughput(self.raw_dir / f"{family}.onnx", MODELS[family][2], 0.25))
+
+    def measure_floor(self, concurrency: int, duration_s: float) -> None:
+        result = drive(self.floor_address, self._floor_payload, concurrency, duration_s)
+        self.floor_runs.setdefault(concurrency, []).append(result.throughput)
+
+    def raw(self, family: str) -> dict[int, float]:
+        return {size: float(np.median([run[size] for run in self.raw_runs[family]])) for size in BATCH_SIZES}
+
+    def floor(self) -> dict[int, float]:
+        return {c: float(np.median(runs)) for c, runs in self.floor_runs.items()}
+
+
+def measure(address: str, limits: Limits, concurrencies: list[int], duration_s: float, repeat: int) -> list[dict]:
     """Every (policy, concurrency) point `repeat` times, policies interleaved within each round so slow
     drifts of a shared machine hit them alike; the row kept is the run with the median throughput."""
     rows = []
@@ -124,8 +151,11 @@ def measure_ferry(address: str, concurrencies: list[int], duration_s: float, rep
     for family, (_, input_name, row_shape, target) in MODELS.items():
         x = rng.standard_normal((1, *row_shape)).astype(np.float32)
         for c in concurrencies:
+            limits.measure_raw(family)
             runs: dict[str, list[dict]] = {policy: [] for policy in POLICIES}
             for _ in range(repeat):
+                if family == "light":
+                    limits.measure_floor(c, duration_s)
                 for policy in POLICIES:
                     name = model_name(family, policy)
                     before = common.model_counts(channel, name)
@@ -140,17 +170,6 @@ def measure_ferry(address: str, concurrencies: list[int], duration_s: float, rep
                 print(rows[-1], flush=True)
     channel.close()
     return rows
-
-
-def measure_floor(concurrencies: list[int], duration_s: float) -> dict[int, float]:
-    proc, address = common.start_server([common.sys.executable, "-m", "bench.floor_server"])
-    try:
-        x = np.random.default_rng(1).standard_normal((1, 256)).astype(np.float32)
-        payload = common.infer_payload("floor", {"x": x})
-        return {c: drive(address, payload, c, duration_s).throughput for c in concurrencies}
-    finally:
-        proc.terminate()
-        proc.wait()
 
 
 def main() -> None:
@@ -168,27 +187,27 @@ def main() -> None:
         del POLICIES[name]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        build_repository(root)
-        raw = {family: raw_throughput(root / f"{family}_raw.onnx", spec[2], 0.5) for family, spec in MODELS.items()}
-        print("raw ONNX Runtime rows/s:", {f: {b: round(r) for b, r in v.items()} for f, v in raw.items()}, flush=True)
-        floor = measure_floor(concurrencies, args.duration)
-        print("gRPC floor requests/s:", {c: round(v) for c, v in floor.items()}, flush=True)
-        for family in MODELS:
-            (root / f"{family}_raw.onnx").unlink()
+        root, raw_dir = Path(tmp) / "repository", Path(tmp) / "raw"
+        raw_dir.mkdir(parents=True)
+        build_repository(root, raw_dir)
+        floor_proc, floor_address = common.start_server([common.sys.executable, "-m", "bench.floor_server"])
         proc, address = common.start_server(common.ferry_command(root))
         try:
-            rows = measure_ferry(address, concurrencies, args.duration, args.repeat)
+            limits = Limits(raw_dir, floor_address)
+            rows = measure(address, limits, concurrencies, args.duration, args.repeat)
         finally:
-            proc.terminate()
-            proc.wait()
-    report = render(rows, raw, floor, concurrencies)
+            for p in (proc, floor_proc):
+                p.terminate()
+                p.wait()
+    report = render(rows, limits, concurrencies)
     print(report)
     if not args.no_record:
         common.append_results("Dynamic batching (bench/dynamic_batching.py)", report)
 
 
-def render(rows: list[dict], raw: dict, floor: dict, concurrencies: list[int]) -> str:
+def render(rows: list[dict], limits: Limits, concurrencies: list[int]) -> str:
+    raw = {family: limits.raw(family) for family in MODELS}
+    floor = limits.floor()
     for row in rows:
         row["vs_raw"] = round(row["throughput_rps"] / raw_at(raw[row["model"]], row["mean_batch"]), 2)
         if row["model"] == "light":
@@ -196,9 +215,12 @@ def render(rows: list[dict], raw: dict, floor: dict, concurrencies: list[int]) -
     columns = ["model", "policy", "concurrency", "throughput_rps", "p50_ms", "p90_ms", "p99_ms", "mean_batch",
                "vs_raw", "vs_floor", "client_cpu_share", "errors", "runs"]
     parts = [
-        "Raw ONNX Runtime, rows/s by batch size: " + "; ".join(
-            f"{f}: " + ", ".join(f"{b}: {r:.0f}" for b, r in v.items()) for f, v in raw.items()),
-        "Python gRPC floor, requests/s by concurrency: " + ", ".join(f"{c}: {v:.0f}" for c, v in floor.items()),
+        "Raw ONNX Runtime, rows/s by batch size (median of the measurements spread over the run, min-max): " + "; ".join(
+            f"{f}: " + ", ".join(f"{b}: {r:.0f} ({min(run[b] for run in limits.raw_runs[f]):.0f}-"
+                                 f"{max(run[b] for run in limits.raw_runs[f]):.0f})" for b, r in v.items())
+            for f, v in raw.items()),
+        "Python gRPC floor, requests/s by concurrency (median of the runs, all listed): " + ", ".join(
+            f"{c}: {v:.0f} ({'/'.join(f'{x:.0f}' for x in sorted(limits.floor_runs[c]))})" for c, v in floor.items()),
         "Deployment (every policy alike): " + "; ".join(
             f"{f}: " + INSTANCES[f].replace("\n", " ").strip() for f in raw),
         "", common.table(rows, columns), "",
