@@ -78,19 +78,20 @@ def _raw_rates(sessions: list[ort.InferenceSession], row_shape: tuple, seconds: 
         for sess in sessions:
             sess.run(None, {"x": x})
         start = time.perf_counter()
-
-        def loop(i: int) -> None:  # ONNX Runtime releases the GIL while it computes
-            while time.perf_counter() - start < seconds:
-                sessions[i].run(None, {"x": x})
-                runs[i] += 1
-
-        threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(sessions))]
+        threads = [threading.Thread(target=_run_for, args=(sess, {"x": x}, start + seconds, runs, i))
+                   for i, sess in enumerate(sessions)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         rates[size] = sum(runs) * size / (time.perf_counter() - start)
     return rates
+
+
+def _run_for(sess: ort.InferenceSession, feed: dict, until: float, runs: list[int], slot: int) -> None:
+    while time.perf_counter() < until:  # ONNX Runtime releases the GIL while it computes
+        sess.run(None, feed)
+        runs[slot] += 1
 
 
 def raw_at(rates: dict[int, float], batch: float) -> float:

@@ -167,4 +167,3 @@ class AdaptiveWindow:
             return expected >= rows * _MIN_GROWTH
         wait = expected / rate
         return grown / (wait + exec_grown) > _MIN_GAIN * rows / max(self.exec.estimate(rows), 1.0)
-
