@@ -1,4 +1,4 @@
-"""The model runner answers every admitted request, however its loop ends."""
+"""The model runner: it keeps its instances fed and answers every admitted request, however its loop ends."""
 
 from __future__ import annotations
 
@@ -77,3 +77,26 @@ def test_within_the_grace_period_everyone_is_served(grace_s):
 
     results = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert [float(x["y"][0, 0]) for x in results] == [0.0, 1.0]
+
+
+def test_next_batch_is_dispatched_before_the_finished_one_is_answered():
+    async def scenario():
+        r = runner()
+        r.start()
+
+        async def first_caller():
+            outputs = await r.infer(request(0))
+            # the first moment the first caller sees anything: the second request must be running already
+            return float(outputs["y"][0, 0]), len(r.scheduler), len(r._idle)
+
+        first = asyncio.create_task(first_caller())
+        await asyncio.sleep(0.05)  # the first request is running; the second queues behind it
+        second = asyncio.create_task(r.infer(request(1)))
+        seen = await first
+        second_answer = float((await second)["y"][0, 0])
+        await r.close(grace_s=5)
+        return (*seen, second_answer)
+
+    answer, queued, idle, second_answer = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert (answer, second_answer) == (0.0, 1.0)
+    assert queued == 0 and idle == 0  # taken from the queue and on the instance already
