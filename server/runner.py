@@ -19,7 +19,7 @@ from server.metrics import ModelStats
 from server.ordering import ResponseOrder
 from server.request import Batch, InferRequest
 from server.scheduling.base import Scheduler
-from server.worker import Worker
+from server.worker import BatchResult, Worker
 
 log = logging.getLogger(__name__)
 _FAR_FUTURE_NS = 10**18
@@ -128,15 +128,15 @@ class ModelRunner:
             self.stats.record_queued(now - request.enqueue_ns)
             if request.expired(now):  # DELAY policy: it runs, but late
                 self.stats.record_deadline_miss()
-        task = asyncio.get_running_loop().create_task(self._run(worker, batch))
+        started = time.monotonic_ns()
+        task = asyncio.get_running_loop().create_task(self._run(worker, batch, worker.start(batch), started))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run(self, worker: Worker, batch: Batch) -> None:
-        started = time.monotonic_ns()
+    async def _run(self, worker: Worker, batch: Batch, running: asyncio.Future[BatchResult], started: int) -> None:
         result, error = None, None
         try:
-            result = await worker.run(batch)
+            result = await running
         except Exception as exc:  # noqa: BLE001 - whatever went wrong fails this batch only
             if not isinstance(exc, FerryError):
                 log.exception("model '%s': unexpected error running a batch", self.name)

@@ -31,16 +31,30 @@ class Worker:
         self.signature = signature
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
-    async def run(self, batch: Batch) -> BatchResult:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self._execute, batch)
+    def start(self, batch: Batch) -> asyncio.Future[BatchResult]:
+        """Assemble the batch and hand it to the instance's thread now, from the event loop.
 
-    def _execute(self, batch: Batch) -> BatchResult:
+        Both happen here rather than in a task the loop would start later: the loop already holds the
+        GIL (the instance's thread would wait for it to copy the inputs), and a task's first step runs
+        only after every callback already queued, which under load left the instance idle for
+        milliseconds per batch. A failure to assemble fails this batch's future, never the caller.
+        """
+        loop = asyncio.get_running_loop()
         t0 = time.monotonic_ns()
+        try:
+            padding = self.signature.padding
+            if padding is not None:
+                inputs, pad_count = padding.gather(batch.requests)
+            else:
+                inputs, pad_count = batch.gather_inputs(), PadCount()
+        except Exception as exc:  # noqa: BLE001 - reported through the batch's future
+            failed = loop.create_future()
+            failed.set_exception(exc)
+            return failed
+        return loop.run_in_executor(self._thread, self._execute, batch, inputs, pad_count, time.monotonic_ns() - t0)
+
+    def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int) -> BatchResult:
         padding = self.signature.padding
-        if padding is not None:
-            inputs, pad_count = padding.gather(batch.requests)
-        else:
-            inputs, pad_count = batch.gather_inputs(), PadCount()
         t1 = time.monotonic_ns()
         try:
             outputs = self.backend.execute(inputs)
@@ -53,7 +67,7 @@ class Worker:
         split = batch.scatter_outputs(outputs)
         if padding is not None:
             split = padding.trim(batch.requests, split)
-        return BatchResult(split, t1 - t0, t2 - t1, time.monotonic_ns() - t2, pad_count)
+        return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count)
 
     def _check(self, outputs: dict[str, np.ndarray]) -> None:
         for name, spec in self.signature.outputs.items():
