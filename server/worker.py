@@ -34,10 +34,11 @@ class Worker:
     def start(self, batch: Batch) -> asyncio.Future[BatchResult]:
         """Assemble the batch and hand it to the instance's thread now, from the event loop.
 
-        Both happen here rather than in a task the loop would start later: the loop already holds the
-        GIL (the instance's thread would wait for it to copy the inputs), and a task's first step runs
-        only after every callback already queued, which under load left the instance idle for
-        milliseconds per batch. A failure to assemble fails this batch's future, never the caller.
+        The copy is done here because the loop holds the GIL already: on the instance's thread it had
+        to win the GIL from the busy loop first and was often made to hand it back mid-copy (heavy
+        encoder, 64 clients: 2.4 ms of wall time for 0.5 ms of copying per batch). Submitting here
+        rather than in the task that awaits the result starts the run before the callbacks already
+        queued on the loop. A failure to assemble fails this batch's future, never the caller.
         """
         loop = asyncio.get_running_loop()
         t0 = time.monotonic_ns()
