@@ -10,7 +10,7 @@ import pytest
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.errors import ModelUnavailableError
+from server.errors import BackendError, ModelUnavailableError
 from server.metrics import ModelStats
 from server.request import InferRequest
 from server.runner import ModelRunner
@@ -35,17 +35,17 @@ class SlowEcho(Backend):
         return {"y": inputs["x"]}
 
 
-def runner() -> ModelRunner:
-    config = mc.ModelConfig(name="m", max_batch_size=1)
+def runner(max_batch_size: int = 1) -> ModelRunner:
+    config = mc.ModelConfig(name="m", max_batch_size=max_batch_size)
     config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[1])
     config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[1])
     worker = Worker(SlowEcho(config, None, Device("cpu")), Signature.from_config(config), "slow")
-    scheduler = DynamicBatcher(BatchingSettings(1), RequestQueue([QueuePolicy()]))
+    scheduler = DynamicBatcher(BatchingSettings(max_batch_size), RequestQueue([QueuePolicy()]))
     return ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None))
 
 
-def request(i: int) -> InferRequest:
-    return InferRequest("m", {"x": np.full((1, 1), i, np.float32)}, 1, (("x", (1,)),), arrival_ns=time.monotonic_ns())
+def request(i: int, width: int = 1) -> InferRequest:
+    return InferRequest("m", {"x": np.full((1, width), i, np.float32)}, 1, (("x", (1,)),), arrival_ns=time.monotonic_ns())
 
 
 def test_requests_left_after_the_grace_period_are_answered_unavailable():
@@ -100,3 +100,26 @@ def test_next_batch_is_dispatched_before_the_finished_one_is_answered():
     answer, queued, idle, second_answer = asyncio.run(asyncio.wait_for(scenario(), 10))
     assert (answer, second_answer) == (0.0, 1.0)
     assert queued == 0 and idle == 0  # taken from the queue and on the instance already
+
+
+def test_a_batch_that_cannot_be_assembled_fails_alone():
+    """Assembling happens on the event loop now; its failure must fail that batch's callers only."""
+    SlowEcho.executed = 0
+
+    async def scenario():
+        r = runner(max_batch_size=2)
+        r.start()
+        first = asyncio.create_task(r.infer(request(0)))
+        await asyncio.sleep(0.05)  # running; the next two queue up and become one batch
+        # claims the same shape as request 1 but is not: the batch's inputs cannot be joined
+        broken = [asyncio.create_task(r.infer(request(1))), asyncio.create_task(r.infer(request(2, width=3)))]
+        results = await asyncio.gather(first, *broken, return_exceptions=True)
+        after = await r.infer(request(3))
+        await r.close(grace_s=5)
+        return results, after
+
+    (first, *broken), after = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert float(first["y"][0, 0]) == 0.0
+    assert all(isinstance(x, BackendError) and "ValueError" in x.message for x in broken)
+    assert float(after["y"][0, 0]) == 3.0
+    assert SlowEcho.executed == 2  # the broken batch never reached the backend
