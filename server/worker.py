@@ -48,11 +48,11 @@ class Worker:
                 inputs, pad_count = padding.gather(batch.requests)
             else:
                 inputs, pad_count = batch.gather_inputs(), PadCount()
+            return loop.run_in_executor(self._thread, self._execute, batch, inputs, pad_count, time.monotonic_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             failed = loop.create_future()
             failed.set_exception(exc)
             return failed
-        return loop.run_in_executor(self._thread, self._execute, batch, inputs, pad_count, time.monotonic_ns() - t0)
 
     def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int) -> BatchResult:
         padding = self.signature.padding
