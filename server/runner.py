@@ -161,11 +161,13 @@ class ModelRunner:
 
     def _release(self, worker: Worker, now: int) -> None:
         """Refill a freed instance at once, before its batch is answered: answering wakes one handler per
-        request, and the instance would otherwise sit idle while the loop encodes and sends them all."""
+        request, and the instance would otherwise sit idle while the loop encodes and sends them all.
+        The price: those answers wait for the next batch's inputs to be copied (~0.5 ms for 1.5 MB)."""
         self._idle.append(worker)
         self._wake.set()
-        if self._task is None or self._task.done() or self._cut_off:
-            return
+        current = asyncio.current_task()
+        if self._task is None or self._task.done() or self._cut_off or (current is not None and current.cancelling()):
+            return  # stopping: a batch started now would only delay the shutdown
         try:
             self._feed(now)
         except Exception:  # noqa: BLE001 - the loop feeds again on its wake (and fails loudly if it must)

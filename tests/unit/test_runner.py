@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
 from server.errors import BackendError, ModelUnavailableError
 from server.metrics import ModelStats
-from server.request import InferRequest
+from server.request import Batch, InferRequest
 from server.runner import ModelRunner
 from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
 from server.scheduling.queue import QueuePolicy, RequestQueue
@@ -123,3 +124,29 @@ def test_a_batch_that_cannot_be_assembled_fails_alone():
     assert all(isinstance(x, BackendError) and "ValueError" in x.message for x in broken)
     assert float(after["y"][0, 0]) == 3.0
     assert SlowEcho.executed == 2  # the broken batch never reached the backend
+
+
+def test_batches_are_assembled_on_the_event_loop(monkeypatch):
+    """The loop holds the GIL already; on the instance's thread the copy waited for it (worker.start)."""
+    threads = []
+    gather = Batch.gather_inputs
+
+    def recording(batch):
+        threads.append(threading.get_ident())
+        return gather(batch)
+
+    monkeypatch.setattr(Batch, "gather_inputs", recording)
+
+    async def scenario():
+        r = runner(max_batch_size=2)
+        r.start()
+        first = asyncio.create_task(r.infer(request(0)))
+        await asyncio.sleep(0.05)  # running; the next two become one batch of two behind it
+        rest = [asyncio.create_task(r.infer(request(i))) for i in (1, 2)]
+        answers = await asyncio.gather(first, *rest)
+        await r.close(grace_s=5)
+        return answers
+
+    answers = asyncio.run(asyncio.wait_for(scenario(), 10))
+    assert [float(a["y"][0, 0]) for a in answers] == [0.0, 1.0, 2.0]
+    assert len(threads) == 2 and set(threads) == {threading.get_ident()}  # asyncio.run's loop runs here
