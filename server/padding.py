@@ -16,7 +16,7 @@ import numpy as np
 from protos import model_config_pb2 as mc
 from server import datatypes
 from server.errors import BackendError, ConfigError, InvalidInputError
-from server.request import InferRequest
+from server.request import InferRequest, join_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +103,7 @@ class Padding:
             if spec is not None and (lengths != longest).any():
                 joined[name] = _pad(arrays, spec, longest)
             else:
-                joined[name] = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+                joined[name] = arrays[0] if len(arrays) == 1 else join_rows(arrays)
         row_lengths = np.repeat(lengths, rows)  # [total rows]
         for name, dtype in self.lengths.items():
             joined[name] = row_lengths.reshape(-1, 1).astype(dtype)

@@ -59,7 +59,7 @@ class Batch:
         first = self.requests[0]
         if len(self.requests) == 1:
             return first.inputs
-        return {name: np.concatenate([r.inputs[name] for r in self.requests]) for name in first.inputs}
+        return {name: join_rows([r.inputs[name] for r in self.requests]) for name in first.inputs}
 
     def scatter_outputs(self, outputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         """Split batch outputs back per request as views; refuse outputs whose rows do not add up."""
@@ -78,3 +78,29 @@ class Batch:
             results.append({name: value[start:stop] for name, value in outputs.items()})
             start = stop
         return results
+
+
+def join_rows(arrays: list[np.ndarray]) -> np.ndarray:
+    """np.concatenate along dim 0, copying every part without letting go of the GIL.
+
+    NumPy releases the GIL around each part's copy. With another thread busy in Python, every part
+    then waits up to the switch interval (5 ms) to get it back: 23 parts of 64 KiB took 57 ms instead
+    of 0.05 ms next to one busy thread. Copying through memoryviews keeps the GIL for the whole
+    (short) copy. Anything unusual (object or non-contiguous arrays, parts that disagree) goes to
+    np.concatenate, which also raises the errors.
+    """
+    first = arrays[0]
+    rest = first.shape[1:]
+    if first.dtype.hasobject or any(
+        a.dtype != first.dtype or a.shape[1:] != rest or not a.flags.c_contiguous for a in arrays
+    ):
+        return np.concatenate(arrays)
+    out = np.empty((sum(a.shape[0] for a in arrays), *rest), first.dtype)
+    try:
+        target, start = memoryview(out).cast("B"), 0
+        for a in arrays:
+            target[start:start + a.nbytes] = memoryview(a).cast("B")
+            start += a.nbytes
+    except (TypeError, ValueError):  # a dtype without a buffer format (e.g. an extension type)
+        return np.concatenate(arrays)
+    return out
