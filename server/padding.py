@@ -138,6 +138,16 @@ def _pad(arrays: list[np.ndarray], spec: PaddedInput, longest: int) -> np.ndarra
     shape[0] = sum(a.shape[0] for a in arrays)
     shape[spec.axis] = longest
     out = np.full(shape, spec.value, dtype=arrays[0].dtype)
+    if spec.axis == 1 and _copies_as_bytes(arrays, out.dtype):
+        # Each row's real positions are the start of its padded row: plain byte copies that keep the
+        # GIL (NumPy lets go of it per copy of a long row; see request.join_rows).
+        target, padded_row, row = memoryview(out).cast("B"), out[0].nbytes, 0
+        for array in arrays:
+            source, real_row = memoryview(array).cast("B"), array[0].nbytes
+            for k in range(array.shape[0]):
+                target[row * padded_row:row * padded_row + real_row] = source[k * real_row:(k + 1) * real_row]
+                row += 1
+        return out
     index = [slice(None)] * len(shape)
     start = 0
     for array in arrays:
@@ -146,6 +156,10 @@ def _pad(arrays: list[np.ndarray], spec: PaddedInput, longest: int) -> np.ndarra
         out[tuple(index)] = array
         start += array.shape[0]
     return out
+
+
+def _copies_as_bytes(arrays: list[np.ndarray], dtype: np.dtype) -> bool:
+    return not dtype.hasobject and all(a.dtype == dtype and a.flags.c_contiguous for a in arrays)
 
 
 def _length_axis(tensor, where: str) -> int:

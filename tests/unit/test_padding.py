@@ -100,3 +100,18 @@ def test_inconsistent_padding_configs_are_refused(change, words):
     change(c)
     with pytest.raises(ConfigError, match=words):
         Padding.from_config(c)
+
+
+def test_a_length_that_is_not_the_first_dim_is_padded_too():
+    c = mc.ModelConfig(name="m", max_batch_size=8)
+    c.input.add(name="x", data_type=mc.TYPE_FP32, dims=[2, -1], variable_length=True, padding_value=-1)
+    c.output.add(name="y", data_type=mc.TYPE_FP32, dims=[2])
+    padding = Padding.from_config(c)
+    short = InferRequest("m", {"x": np.arange(4, dtype=np.float32).reshape(2, 2, 1)}, 2, (), length=1)
+    long = InferRequest("m", {"x": np.arange(10, 16, dtype=np.float32).reshape(1, 2, 3)}, 1, (), length=3)
+    inputs, count = padding.gather([short, long])
+    assert inputs["x"].shape == (3, 2, 3)
+    np.testing.assert_array_equal(inputs["x"][:2, :, :1], short.inputs["x"])
+    assert (inputs["x"][:2, :, 1:] == -1).all()
+    np.testing.assert_array_equal(inputs["x"][2], long.inputs["x"][0])
+    assert (count.padded, count.computed) == (4, 9)
