@@ -16,7 +16,7 @@ import numpy as np
 from protos import model_config_pb2 as mc
 from server import datatypes
 from server.errors import BackendError, ConfigError, InvalidInputError
-from server.request import InferRequest, join_rows
+from server.request import InferRequest, copies_as_bytes, join_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +138,7 @@ def _pad(arrays: list[np.ndarray], spec: PaddedInput, longest: int) -> np.ndarra
     shape[0] = sum(a.shape[0] for a in arrays)
     shape[spec.axis] = longest
     out = np.full(shape, spec.value, dtype=arrays[0].dtype)
-    if spec.axis == 1 and _copies_as_bytes(arrays, out.dtype):
+    if spec.axis == 1 and copies_as_bytes(arrays, out.dtype):
         # Each row's real positions are the start of its padded row: plain byte copies that keep the
         # GIL (NumPy lets go of it per copy of a long row; see request.join_rows).
         target, padded_row, row = memoryview(out).cast("B"), out[0].nbytes, 0
@@ -156,10 +156,6 @@ def _pad(arrays: list[np.ndarray], spec: PaddedInput, longest: int) -> np.ndarra
         out[tuple(index)] = array
         start += array.shape[0]
     return out
-
-
-def _copies_as_bytes(arrays: list[np.ndarray], dtype: np.dtype) -> bool:
-    return not dtype.hasobject and all(a.dtype == dtype and a.flags.c_contiguous for a in arrays)
 
 
 def _length_axis(tensor, where: str) -> int:
