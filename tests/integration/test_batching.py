@@ -26,8 +26,10 @@ def reference_mlp(x: np.ndarray) -> np.ndarray:
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     builders.mlp(repo / "mlp" / "1" / "model.onnx", WIDTH)
+    # A window far longer than any test waits: the batch leaves when it is full (32 rows), so how
+    # many batches 32 concurrent requests make never depends on how fast the clients start.
     (repo / "mlp" / "config.yaml").write_text(
-        "max_batch_size: 32\ndynamic_batching: {max_queue_delay_microseconds: 50000}\n")
+        "max_batch_size: 32\ndynamic_batching: {max_queue_delay_microseconds: 60000000}\n")
     builders.fragile(repo / "ragged" / "1" / "model.onnx")
     (repo / "ragged" / "config.yaml").write_text(
         "max_batch_size: 16\ndynamic_batching: {max_queue_delay_microseconds: 50000}\n")
@@ -58,10 +60,8 @@ def test_concurrent_single_rows_are_batched(server):
         np.testing.assert_allclose(got, expected[i:i + 1], rtol=1e-5, atol=1e-5)
     s = stats(server, "mlp")
     assert s.inference_count == 32
-    assert s.execution_count < s.inference_count  # batching happened
-    assert sum(b.compute_infer.count for b in s.batch_stats) == s.execution_count
-    assert sum(b.batch_size * b.compute_infer.count for b in s.batch_stats) == 32
-    assert max(b.batch_size for b in s.batch_stats) > 1
+    assert s.execution_count == 1  # one full ferry
+    assert [(b.batch_size, b.compute_infer.count) for b in s.batch_stats] == [(32, 1)]
 
 
 def test_unjoinable_shapes_run_in_separate_batches(server):

@@ -20,6 +20,9 @@ from tests import kserve, llm_builders  # noqa: E402
 from tests.conftest import RunningServer  # noqa: E402
 
 
+ENDLESS = 60_000  # tokens: minutes of decoding on any CPU, against a 100 ms deadline
+
+
 def requests_for(seed: int, count: int):
     rng = random.Random(seed)
     return [([rng.randrange(2, 300) for _ in range(rng.randrange(2, 40))], rng.randrange(1, 24)) for _ in range(count)]
@@ -38,6 +41,11 @@ def env(tmp_path_factory):
     (repo / "tight" / "config.yaml").write_text(llm_builders.llm_config(num_kv_blocks=40, max_num_batched_tokens=64))
     shutil.copytree(llama, repo / "single" / "1")  # one sequence at a time: others must wait
     (repo / "single" / "config.yaml").write_text(llm_builders.llm_config(max_num_seqs=1, max_model_len=128))
+    # One sequence at a time, and room for a generation far longer than any test waits: whatever the
+    # machine's speed, a stream asked for ENDLESS tokens is still running when the test cancels it.
+    llm_builders.build_model(repo / "endless" / "1", "llama", max_positions=ENDLESS + 8)
+    (repo / "endless" / "config.yaml").write_text(
+        llm_builders.llm_config(block_size=16, num_kv_blocks=ENDLESS // 16 + 2, max_num_seqs=1))
     prompt = [5, 17, 42, 99, 7]
     first = llm_builders.reference_greedy(llama, prompt, 1)[0]
     shutil.copytree(llama, repo / "eos" / "1")  # its end-of-sequence token is what the model says first
@@ -129,19 +137,21 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(env):
 def test_cancelled_stream_and_expired_deadline_free_their_blocks(env):
     server, _ = env
     stub = gen_grpc.GenerationStub(server.channel)
-    long = stub.Generate(gen.GenerateRequest(model_name="single", token_ids=gen.TokenIds(ids=[3, 4, 5]),
-                                             sampling=gen.SamplingParams(max_tokens=120, ignore_eos=True)), timeout=120)
-    next(long)  # it is running and holds blocks
-    assert server.metric("ferry_kv_blocks_used", model="single") > 0
-    waiting = gen.GenerateRequest(model_name="single", token_ids=gen.TokenIds(ids=[6, 7]), timeout_us=100_000,
+    long = stub.Generate(gen.GenerateRequest(model_name="endless", token_ids=gen.TokenIds(ids=[3, 4, 5]),
+                                             sampling=gen.SamplingParams(max_tokens=ENDLESS - 8, ignore_eos=True)),
+                         timeout=600)
+    next(long)  # it is running and holds blocks, and it cannot finish before the test cancels it
+    assert server.metric("ferry_kv_blocks_used", model="endless") > 0
+    waiting = gen.GenerateRequest(model_name="endless", token_ids=gen.TokenIds(ids=[6, 7]), timeout_us=100_000,
                                   sampling=gen.SamplingParams(max_tokens=4))
     with pytest.raises(grpc.RpcError) as info:
         list(stub.Generate(waiting, timeout=60))  # only one sequence runs at a time: this one waits, then expires
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert server.metric("ferry_generation_running", model="endless") == 1  # the long stream still runs
     long.cancel()
-    server.wait_for_metric("ferry_kv_blocks_used", 0, model="single")
-    server.wait_for_metric("nv_inference_request_failure", 1, model="single", reason="CANCELED")
-    assert server.metric("ferry_generation_running", model="single") == 0
+    server.wait_for_metric("ferry_kv_blocks_used", 0, model="endless")
+    server.wait_for_metric("nv_inference_request_failure", 1, model="endless", reason="CANCELED")
+    assert server.metric("ferry_generation_running", model="endless") == 0
 
 
 def test_errors_and_kserve_views_of_a_generation_model(env):

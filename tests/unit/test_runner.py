@@ -7,7 +7,6 @@ import threading
 import time
 
 import numpy as np
-import pytest
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
@@ -21,26 +20,48 @@ from server.signature import Signature
 from server.worker import Worker
 
 
-class SlowEcho(Backend):
-    """A real (if trivial) backend whose batches take longer than the test's grace period."""
+class HeldEcho(Backend):
+    """A real (if trivial) backend whose batches wait at a gate the test opens: "still running" is a
+    state the test holds, not a guess about how long a batch takes."""
 
-    name, default_filename = "slow", ""
+    name, default_filename = "held", ""
     executed = 0
+    started = threading.Semaphore(0)  # released once per batch that reached the backend
+    gate = threading.Event()
+
+    @classmethod
+    def reset(cls) -> None:
+        cls.executed, cls.started, cls.gate = 0, threading.Semaphore(0), threading.Event()
 
     def load(self) -> None:
-        """Nothing to read: the model is the sleep in execute."""
+        """Nothing to read: the model is the identity behind the gate."""
 
     def execute(self, inputs):
-        SlowEcho.executed += 1
-        time.sleep(0.5)
+        HeldEcho.executed += 1
+        HeldEcho.started.release()
+        assert HeldEcho.gate.wait(60), "the test never opened the gate"
         return {"y": inputs["x"]}
+
+
+async def running() -> None:
+    """Wait until a batch is inside the backend (held at the gate)."""
+    assert await asyncio.to_thread(HeldEcho.started.acquire, True, 30), "no batch reached the backend"
+
+
+async def queued(r: ModelRunner, count: int) -> None:
+    """Wait until `count` requests wait in the runner's scheduler."""
+    for _ in range(30_000):
+        if len(r.scheduler) == count:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{len(r.scheduler)} requests queued, expected {count}")
 
 
 def runner(max_batch_size: int = 1) -> ModelRunner:
     config = mc.ModelConfig(name="m", max_batch_size=max_batch_size)
     config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[1])
     config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[1])
-    worker = Worker(SlowEcho(config, None, Device("cpu")), Signature.from_config(config), "slow")
+    worker = Worker(HeldEcho(config, None, Device("cpu")), Signature.from_config(config), "held")
     scheduler = DynamicBatcher(BatchingSettings(max_batch_size), RequestQueue([QueuePolicy()]))
     return ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None))
 
@@ -50,37 +71,47 @@ def request(i: int, width: int = 1) -> InferRequest:
 
 
 def test_requests_left_after_the_grace_period_are_answered_unavailable():
-    SlowEcho.executed = 0
+    HeldEcho.reset()
 
     async def scenario():
         r = runner()
         r.start()
         calls = [asyncio.create_task(r.infer(request(i))) for i in range(3)]
-        await asyncio.sleep(0.05)
-        await r.close(grace_s=0.2)  # the first batch is still running; two requests are queued
+        await running()
+        await queued(r, 2)
+        closing = asyncio.create_task(r.close(grace_s=0.2))  # the first batch is held past the grace period
+        await asyncio.wait(calls[1:])  # the queued two are answered once the grace runs out
+        HeldEcho.gate.set()
+        await closing
         return await asyncio.gather(*calls, return_exceptions=True)
 
-    results = asyncio.run(asyncio.wait_for(scenario(), 10))
-    assert any(isinstance(x, ModelUnavailableError) for x in results)
+    results = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert all(isinstance(x, ModelUnavailableError) for x in results[1:])
     assert all(isinstance(x, (dict, ModelUnavailableError)) for x in results)  # nobody is left waiting
-    assert SlowEcho.executed == 1  # the batch that finished after the cut-off did not start another
+    assert HeldEcho.executed == 1  # the batch that finished after the cut-off did not start another
 
 
-@pytest.mark.parametrize("grace_s", [5.0])
-def test_within_the_grace_period_everyone_is_served(grace_s):
+def test_within_the_grace_period_everyone_is_served():
+    HeldEcho.reset()
+
     async def scenario():
         r = runner()
         r.start()
         calls = [asyncio.create_task(r.infer(request(i))) for i in range(2)]
-        await asyncio.sleep(0.05)
-        await r.close(grace_s)
+        await running()
+        await queued(r, 1)
+        closing = asyncio.create_task(r.close(grace_s=60))
+        HeldEcho.gate.set()
+        await closing
         return await asyncio.gather(*calls)
 
-    results = asyncio.run(asyncio.wait_for(scenario(), 10))
+    results = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert [float(x["y"][0, 0]) for x in results] == [0.0, 1.0]
 
 
 def test_next_batch_is_dispatched_before_the_finished_one_is_answered():
+    HeldEcho.reset()
+
     async def scenario():
         r = runner()
         r.start()
@@ -91,39 +122,43 @@ def test_next_batch_is_dispatched_before_the_finished_one_is_answered():
             return float(outputs["y"][0, 0]), len(r.scheduler), len(r._idle)
 
         first = asyncio.create_task(first_caller())
-        await asyncio.sleep(0.05)  # the first request is running; the second queues behind it
+        await running()
         second = asyncio.create_task(r.infer(request(1)))
+        await queued(r, 1)  # the second queues behind the first
+        HeldEcho.gate.set()
         seen = await first
         second_answer = float((await second)["y"][0, 0])
-        await r.close(grace_s=5)
+        await r.close(grace_s=60)
         return (*seen, second_answer)
 
-    answer, queued, idle, second_answer = asyncio.run(asyncio.wait_for(scenario(), 10))
+    answer, queued_left, idle, second_answer = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert (answer, second_answer) == (0.0, 1.0)
-    assert queued == 0 and idle == 0  # taken from the queue and on the instance already
+    assert queued_left == 0 and idle == 0  # taken from the queue and on the instance already
 
 
 def test_a_batch_that_cannot_be_assembled_fails_alone():
     """Assembling happens on the event loop now; its failure must fail that batch's callers only."""
-    SlowEcho.executed = 0
+    HeldEcho.reset()
 
     async def scenario():
         r = runner(max_batch_size=2)
         r.start()
         first = asyncio.create_task(r.infer(request(0)))
-        await asyncio.sleep(0.05)  # running; the next two queue up and become one batch
+        await running()
         # claims the same shape as request 1 but is not: the batch's inputs cannot be joined
         broken = [asyncio.create_task(r.infer(request(1))), asyncio.create_task(r.infer(request(2, width=3)))]
+        await queued(r, 2)  # both wait behind the held batch, so they become one batch
+        HeldEcho.gate.set()
         results = await asyncio.gather(first, *broken, return_exceptions=True)
         after = await r.infer(request(3))
-        await r.close(grace_s=5)
+        await r.close(grace_s=60)
         return results, after
 
-    (first, *broken), after = asyncio.run(asyncio.wait_for(scenario(), 10))
+    (first, *broken), after = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert float(first["y"][0, 0]) == 0.0
     assert all(isinstance(x, BackendError) and "ValueError" in x.message for x in broken)
     assert float(after["y"][0, 0]) == 3.0
-    assert SlowEcho.executed == 2  # the broken batch never reached the backend
+    assert HeldEcho.executed == 2  # the broken batch never reached the backend
 
 
 def test_batches_are_assembled_on_the_event_loop(monkeypatch):
@@ -137,16 +172,20 @@ def test_batches_are_assembled_on_the_event_loop(monkeypatch):
 
     monkeypatch.setattr(Batch, "gather_inputs", recording)
 
+    HeldEcho.reset()
+
     async def scenario():
         r = runner(max_batch_size=2)
         r.start()
         first = asyncio.create_task(r.infer(request(0)))
-        await asyncio.sleep(0.05)  # running; the next two become one batch of two behind it
+        await running()
         rest = [asyncio.create_task(r.infer(request(i))) for i in (1, 2)]
+        await queued(r, 2)  # they become one batch of two behind the held one
+        HeldEcho.gate.set()
         answers = await asyncio.gather(first, *rest)
-        await r.close(grace_s=5)
+        await r.close(grace_s=60)
         return answers
 
-    answers = asyncio.run(asyncio.wait_for(scenario(), 10))
+    answers = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert [float(a["y"][0, 0]) for a in answers] == [0.0, 1.0, 2.0]
     assert len(threads) == 2 and set(threads) == {threading.get_ident()}  # asyncio.run's loop runs here
