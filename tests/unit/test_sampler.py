@@ -34,3 +34,16 @@ def test_seeded_draws_depend_on_seed_and_position_only():
     assert [f[0] for f in first] == again
     other = [sample(logits, [SamplingParams(temperature=1.0, seed=43)], [p], torch.Generator())[0] for p in range(8)]
     assert other != again
+
+
+def test_a_row_with_an_unusable_distribution_falls_back_to_argmax_alone():
+    """One row's NaN temperature, NaN logits or empty filter must not raise for the rows beside it."""
+    logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 1.0], [float("nan")] * 3, [1.0, 2.0, 8.0], [3.0, 0.0, 0.0]])
+    params = [SamplingParams(temperature=float("nan")), SamplingParams(temperature=1e-40),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=-3),
+              SamplingParams(temperature=1.0, seed=7)]
+    chosen = sample(logits, params, [0] * 5, torch.Generator().manual_seed(0))
+    assert chosen[:2] == [1, 0] and chosen[3] == 2  # unusable rows keep their argmax
+    assert 0 <= chosen[2] < 3 and 0 <= chosen[4] < 3
+    tiny = _filtered_probs(torch.tensor([[1.0, 3.0, 2.0]]), [SamplingParams(temperature=1e-30)])
+    assert torch.isfinite(tiny).all() and tiny[0, 1] == 1.0  # a tiny temperature is as good as greedy

@@ -2,6 +2,10 @@
 
 A seeded request draws token i from a generator seeded with (seed, i), so its output does not depend
 on which other requests share the batch or on how often it was preempted and recomputed.
+
+Rows never fail each other: the decoder refuses bad sampling parameters, and should a row's
+distribution still come out unusable (NaN or infinite logits from the model, an all-masked row), that
+row falls back to its argmax instead of making `torch.multinomial` raise for the whole step.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from server.scheduling.sequence import SamplingParams
 
 _SEED_STRIDE = 1_000_003
+_MIN_TEMPERATURE = 1e-5  # below this, logits / temperature overflows float32 to inf: as good as greedy
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int],
@@ -21,7 +26,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
     if rows:
         index = torch.tensor(rows, device=logits.device)
         probs = _filtered_probs(logits[index], [params[i] for i in rows])
+        usable = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
         for j, i in enumerate(rows):
+            if not usable[j]:
+                continue  # keeps its argmax
             seed = params[i].seed
             generator = fallback
             if seed is not None:
@@ -33,7 +41,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     device = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    temps = torch.tensor([p.temperature for p in params], device=device).unsqueeze(1).clamp_min(_MIN_TEMPERATURE)
     logits = logits / temps
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=device).unsqueeze(0)
