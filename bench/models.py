@@ -100,3 +100,10 @@ def token_encoder(path: Path, vocab: int = 1000, width: int = 64, layers: int = 
     inputs = [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "L"]),
               helper.make_tensor_value_info("lengths", TensorProto.INT64, ["batch", 1])]
     return _save(nodes, inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits, path)
+
+
+def string_identity(path: Path) -> Path:
+    """IN [-1, -1] STRING -> OUT: ONNX Runtime reads strings as text, so each element must be UTF-8."""
+    return _save([helper.make_node("Identity", ["IN"], ["OUT"])],
+                 [helper.make_tensor_value_info("IN", TensorProto.STRING, ["batch", "n"])],
+                 [helper.make_tensor_value_info("OUT", TensorProto.STRING, ["batch", "n"])], [], path)
