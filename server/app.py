@@ -15,6 +15,7 @@ from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
+from server.rpc.auth import TokenAuth, Tokens
 from server.rpc.drain import DrainGate
 from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
@@ -33,6 +34,8 @@ class ServerConfig:
     max_queued_requests: int = 10_000  # per model version, whatever its queue policy says
     drain_grace_s: float = 30.0
     poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
+    tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
+    metrics_host: str | None = None  # None: the gRPC host
 
 
 @dataclass(slots=True)
@@ -50,13 +53,15 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
                         config.max_queued_requests, GenerationFamilies(prom))
     prom.register(StatsCollector(registry.stats))
     gate = DrainGate()
+    interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
     rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health)),
-                                 generation_service(GenerationServicer(registry))], [gate])
+                                 generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
     if config.metrics_port is not None:
-        http, _ = start_http_server(config.metrics_port, addr=config.rpc.host, registry=prom)
-        print(f"ferry: serving metrics on http://{config.rpc.host}:{http.server_port}/metrics", flush=True)
+        metrics_host = config.metrics_host or config.rpc.host
+        http, _ = start_http_server(config.metrics_port, addr=metrics_host, registry=prom)
+        print(f"ferry: serving metrics on http://{metrics_host}:{http.server_port}/metrics", flush=True)
     await registry.load_all()
     heap.park()
     health.ready = True
