@@ -26,6 +26,10 @@ RUN pip install --no-cache-dir . \
 
 USER 10001
 EXPOSE 8001 8002
-HEALTHCHECK --interval=10s --timeout=3s --start-period=60s CMD ["python3", "-c", "import grpc,sys; from grpc_health.v1 import health_pb2 as h, health_pb2_grpc as g; s=g.HealthStub(grpc.insecure_channel('127.0.0.1:8001')).Check(h.HealthCheckRequest(), timeout=2); sys.exit(0 if s.status == h.HealthCheckResponse.SERVING else 1)"]
+# The check runs `ferry health` (ServerLive + ServerReady, open to probes even with tokens on). With TLS,
+# give it what a client needs, e.g. -e FERRY_HEALTH_ARGS="--root-certs /certs/ca.pem --tls-server-name ferry
+# --client-cert /certs/probe.pem --client-key /certs/probe.key" (the last two only with --tls-ca).
+ENV FERRY_HEALTH_ARGS=""
+HEALTHCHECK --interval=10s --timeout=5s --start-period=60s CMD ["sh", "-c", "ferry health --url 127.0.0.1:8001 --timeout 3 $FERRY_HEALTH_ARGS"]
 ENTRYPOINT ["ferry", "serve", "--host", "0.0.0.0", "--grpc-port", "8001", "--metrics-port", "8002"]
 CMD ["--model-repository", "/models"]

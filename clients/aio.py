@@ -38,7 +38,7 @@ class AsyncInferenceClient(ClientBase):
 
     async def _call(self, rpc: str, request, timeout_s: float | None):
         try:
-            return await getattr(self._stub, rpc)(request, timeout=self._deadline(timeout_s))
+            return await getattr(self._stub, rpc)(request, timeout=self._deadline(timeout_s), metadata=self.metadata)
         except grpc.RpcError as exc:
             raise FerryClientError.from_rpc(exc) from None
 
@@ -87,11 +87,11 @@ class AsyncInferenceClient(ClientBase):
                  priority: int = 0, timeout_s: float | None = None, **sampling) -> AsyncIterator[GenerateDelta]:
         """`async for delta in client.generate(...)`; see InferenceClient.generate."""
         request = messages.generate_request(model, prompt, version, request_id, priority, **sampling)
-        return _deltas(self._generation.Generate, request, self._deadline(timeout_s))
+        return _deltas(self._generation.Generate, request, self._deadline(timeout_s), self.metadata)
 
 
-async def _deltas(rpc, request, timeout_s: float | None) -> AsyncIterator[GenerateDelta]:
-    call = rpc(request, timeout=timeout_s)
+async def _deltas(rpc, request, timeout_s: float | None, metadata=None) -> AsyncIterator[GenerateDelta]:
+    call = rpc(request, timeout=timeout_s, metadata=metadata)
     try:
         async for response in call:
             yield messages.generate_delta(response)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,10 @@ def add_client_commands(sub) -> None:
     tls.add_argument("--client-cert", type=Path, help="PEM certificate chain for mutual TLS")
     tls.add_argument("--client-key", type=Path, help="PEM private key for mutual TLS")
     tls.add_argument("--tls-server-name", help="name to verify when it differs from the URL's host")
+    connection.add_argument("--token", default=os.environ.get("FERRY_TOKEN"),
+                            help="bearer token sent as 'authorization: Bearer TOKEN' (default: env FERRY_TOKEN)")
+    connection.add_argument("--header", action="append", default=[], metavar="KEY=VALUE",
+                            help="metadata sent with every call (repeatable)")
     as_json = argparse.ArgumentParser(add_help=False)
     as_json.add_argument("--json", action="store_true", help="machine-readable output")
     common = [connection, as_json]
@@ -131,7 +136,8 @@ def _guard(handler):
 def _client(args) -> InferenceClient:
     return InferenceClient(args.url, timeout_s=args.timeout, ssl=args.ssl, root_certificates=args.root_certs,
                            private_key=args.client_key, certificate_chain=args.client_cert,
-                           tls_server_name=args.tls_server_name)
+                           tls_server_name=args.tls_server_name, token=args.token,
+                           headers=dict(h.split("=", 1) for h in args.header if "=" in h))
 
 
 def _models(args) -> int:

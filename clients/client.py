@@ -22,12 +22,18 @@ class ClientBase:
 
     def __init__(self, url: str = "127.0.0.1:8001", *, timeout_s: float | None = None, ssl: bool = False,
                  root_certificates: Pem | None = None, private_key: Pem | None = None,
-                 certificate_chain: Pem | None = None, tls_server_name: str | None = None):
+                 certificate_chain: Pem | None = None, tls_server_name: str | None = None,
+                 token: str | None = None, headers: Mapping[str, str] | None = None):
         """`timeout_s` is every call's deadline unless the call gives its own (None: no deadline).
-        Any certificate option implies TLS; `ssl=True` alone uses the system's trust store."""
+        Any certificate option implies TLS; `ssl=True` alone uses the system's trust store.
+        `token` is sent as `authorization: Bearer <token>`; `headers` are sent as metadata on every call."""
         self.url = url
         self.timeout_s = timeout_s
         self.tls = tls_options(ssl, root_certificates, private_key, certificate_chain, tls_server_name)
+        pairs = {k.lower(): v for k, v in (headers or {}).items()}
+        if token:
+            pairs["authorization"] = f"Bearer {token}"
+        self.metadata = tuple(pairs.items()) or None
 
     def _deadline(self, timeout_s: float | None) -> float | None:
         return self.timeout_s if timeout_s is None else timeout_s
@@ -53,7 +59,7 @@ class InferenceClient(ClientBase):
 
     def _call(self, rpc: str, request, timeout_s: float | None):
         try:
-            return getattr(self._stub, rpc)(request, timeout=self._deadline(timeout_s))
+            return getattr(self._stub, rpc)(request, timeout=self._deadline(timeout_s), metadata=self.metadata)
         except grpc.RpcError as exc:
             raise FerryClientError.from_rpc(exc) from None
 
@@ -107,11 +113,11 @@ class InferenceClient(ClientBase):
         `sampling`: max_tokens, temperature, top_k, top_p, seed, stop, stop_token_ids, ignore_eos.
         Leaving the loop early cancels the request on the server."""
         request = messages.generate_request(model, prompt, version, request_id, priority, **sampling)
-        return _deltas(self._generation.Generate, request, self._deadline(timeout_s))
+        return _deltas(self._generation.Generate, request, self._deadline(timeout_s), self.metadata)
 
 
-def _deltas(rpc, request, timeout_s: float | None) -> Iterator[GenerateDelta]:
-    call = rpc(request, timeout=timeout_s)  # on the first next(), so an unused stream never starts
+def _deltas(rpc, request, timeout_s: float | None, metadata=None) -> Iterator[GenerateDelta]:
+    call = rpc(request, timeout=timeout_s, metadata=metadata)  # on the first next(), so an unused stream never starts
     try:
         for response in call:
             yield messages.generate_delta(response)

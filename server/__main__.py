@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from pathlib import Path
 
 from clients.cli import add_client_commands
 from server import __version__
+from server.rpc.auth import Tokens, read_tokens
 from server.rpc.server import MAX_MESSAGE_BYTES, RpcOptions
 
 
@@ -28,6 +30,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--drain-grace-seconds", type=float, default=30.0, help="how long shutdown waits for admitted work")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key) to serve TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--tls-ca", type=Path,
+                   help="PEM CA: require client certificates signed by it (mutual TLS; needs --tls-cert/--tls-key)")
+    p.add_argument("--auth-token-file", type=Path,
+                   help="file of bearer tokens (one a line) for inference; also env FERRY_AUTH_TOKEN (comma-separated)")
+    p.add_argument("--admin-token-file", type=Path,
+                   help="file of bearer tokens for model control (load/unload) and inference; also env FERRY_ADMIN_TOKEN")
+    p.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -47,15 +56,27 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--model-repository {args.model_repository} is not a folder")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
+    if args.tls_ca and not args.tls_cert:
+        parser.error("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+    try:
+        tokens = Tokens(read_tokens(args.auth_token_file, os.environ.get("FERRY_AUTH_TOKEN")),
+                        read_tokens(args.admin_token_file, os.environ.get("FERRY_ADMIN_TOKEN")))
+    except OSError as exc:
+        parser.error(f"cannot read a token file: {exc}")
+    for flag, path in (("--auth-token-file", args.auth_token_file), ("--admin-token-file", args.admin_token_file)):
+        if path is not None and not read_tokens(path, None):
+            parser.error(f"{flag} {path} holds no token")
     config = ServerConfig(
         model_repository=args.model_repository,
         rpc=RpcOptions(args.host, args.grpc_port, args.max_message_bytes, args.max_concurrent_rpcs or None,
-                       args.tls_cert, args.tls_key),
+                       args.tls_cert, args.tls_key, args.tls_ca),
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         default_max_batch_size=args.default_max_batch_size,
         max_queued_requests=args.max_queued_requests,
         drain_grace_s=args.drain_grace_seconds,
         poll_repository_s=args.poll_repository_seconds,
+        tokens=tokens,
+        metrics_host=args.metrics_host,
     )
     asyncio.run(run(config))
 

@@ -15,11 +15,14 @@ from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
+from server.rpc.auth import TokenAuth, Tokens
+from server.rpc.drain import DrainGate
 from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
 
 log = logging.getLogger("ferry")
+QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,8 @@ class ServerConfig:
     max_queued_requests: int = 10_000  # per model version, whatever its queue policy says
     drain_grace_s: float = 30.0
     poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
+    tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
+    metrics_host: str | None = None  # None: the gRPC host
 
 
 @dataclass(slots=True)
@@ -47,13 +52,16 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     registry = Registry(config.model_repository, Histograms(prom), config.default_max_batch_size,
                         config.max_queued_requests, GenerationFamilies(prom))
     prom.register(StatsCollector(registry.stats))
+    gate = DrainGate()
+    interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
     rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health)),
-                                 generation_service(GenerationServicer(registry))])
+                                 generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
     if config.metrics_port is not None:
-        http, _ = start_http_server(config.metrics_port, addr=config.rpc.host, registry=prom)
-        print(f"ferry: serving metrics on http://{config.rpc.host}:{http.server_port}/metrics", flush=True)
+        metrics_host = config.metrics_host or config.rpc.host
+        http, _ = start_http_server(config.metrics_port, addr=metrics_host, registry=prom)
+        print(f"ferry: serving metrics on http://{metrics_host}:{http.server_port}/metrics", flush=True)
     await registry.load_all()
     heap.park()
     health.ready = True
@@ -75,11 +83,20 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     await stop.wait()
 
     log.info("draining: refusing new requests, finishing admitted ones (grace %.0fs)", config.drain_grace_s)
+    began = loop.time()
     health.ready = False
+    gate.close()  # new calls: UNAVAILABLE at once; gRPC keeps running so none of them is CANCELLED
     await rpc.set_serving(False)
     if watcher is not None:
         await watcher.stop()
-    await asyncio.gather(rpc.stop(config.drain_grace_s), registry.close(config.drain_grace_s))
+    await registry.close(config.drain_grace_s)  # whatever is cut off is answered UNAVAILABLE by the runners
+    # Every admitted request has its answer now. Wait (within the grace) for callers to move away, then
+    # stop gRPC; calls still open (a stream its client keeps open) get at least a second more.
+    if not await gate.quiet(QUIET_S, config.drain_grace_s - (loop.time() - began)):
+        log.warning("draining: callers still arriving when the grace ran out; stopping gRPC cancels them")
+    log.info("draining: admitted work answered, %d calls refused, callers gone after %.2fs; stopping gRPC",
+             gate.refused, loop.time() - began)
+    await rpc.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
     if config.metrics_port is not None:
         http.shutdown()
     print("ferry: stopped", flush=True)

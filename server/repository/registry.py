@@ -49,9 +49,11 @@ class Registry:
         self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
         self._locks: dict[str, asyncio.Lock] = {}  # one load or unload of a model at a time
         self._tasks: set[asyncio.Task] = set()  # loads and unloads in progress
+        self._loading: set[str] = set()  # names being loaded with nothing registered yet: UNAVAILABLE, not NOT_FOUND
 
     async def load_all(self) -> None:
         dirs = loader.scan(self.root)
+        self._loading.update(d.name for d in dirs)  # known from the scan on, so start-up answers "loading"
         await asyncio.gather(*(self._load(d) for d in dirs))
 
     async def load(self, name: str) -> None:
@@ -90,6 +92,13 @@ class Registry:
 
     async def _load(self, model_dir: Path) -> str:
         """Load a model folder; returns '' or why nothing of it is ready."""
+        self._loading.add(model_dir.name)
+        try:
+            return await self._load_folder(model_dir)
+        finally:
+            self._loading.discard(model_dir.name)
+
+    async def _load_folder(self, model_dir: Path) -> str:
         name = model_dir.name
         try:
             _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size)
@@ -151,6 +160,8 @@ class Registry:
         """The version a request should use; raises NOT_FOUND / UNAVAILABLE / INVALID_ARGUMENT errors."""
         versions = self._models.get(name)
         if versions is None:
+            if name in self._loading:
+                raise ModelUnavailableError(f"model '{name}' is loading")
             if name in self._errors:
                 raise ModelUnavailableError(f"model '{name}' is not available: {self._errors[name]}")
             raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
@@ -170,7 +181,7 @@ class Registry:
         return max(ready, key=lambda v: v.version)
 
     def knows(self, name: str) -> bool:
-        return name in self._models or name in self._errors
+        return name in self._models or name in self._errors or name in self._loading
 
     def ready_versions(self, name: str) -> list[int]:
         return sorted(v.version for v in self._models.get(name, {}).values() if v.ready)
@@ -185,6 +196,7 @@ class Registry:
     def index(self) -> list[tuple[str, str, str, str]]:
         """(name, version, state, reason) for every model found, loaded or not."""
         rows = [(n, "", UNAVAILABLE, reason) for n, reason in self._errors.items()]
+        rows += [(n, "", LOADING, "") for n in self._loading if n not in self._models and n not in self._errors]
         rows += [(mv.name, str(mv.version), mv.state, mv.reason) for mv in self.all_versions()]
         return sorted(rows)
 

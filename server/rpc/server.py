@@ -25,15 +25,18 @@ class RpcOptions:
     max_concurrent_rpcs: int | None = 16_384  # beyond this gRPC answers RESOURCE_EXHAUSTED itself
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    tls_ca: Path | None = None  # set: mutual TLS, clients must present a certificate signed by it
 
 
 class RpcServer:
-    def __init__(self, options: RpcOptions, servicers: list[tuple[object, callable, str]]):
-        """`servicers`: (servicer, add_to_server function, full service name) for every service."""
+    def __init__(self, options: RpcOptions, servicers: list[tuple[object, callable, str]],
+                 interceptors: list[grpc.aio.ServerInterceptor] = ()):
+        """`servicers`: (servicer, add_to_server function, full service name) for every service;
+        `interceptors` see every call first, in order (authentication, the drain gate)."""
         limit = options.max_message_bytes
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
-            maximum_concurrent_rpcs=options.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=options.max_concurrent_rpcs, interceptors=list(interceptors),
         )
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -45,7 +48,9 @@ class RpcServer:
         reflection.enable_server_reflection(names, self.server)
         address = f"{options.host}:{options.port}"
         if options.tls_cert and options.tls_key:
-            credentials = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())])
+            ca = options.tls_ca.read_bytes() if options.tls_ca else None
+            credentials = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())],
+                                                      root_certificates=ca, require_client_auth=ca is not None)
             self.port = self.server.add_secure_port(address, credentials)
         else:
             self.port = self.server.add_insecure_port(address)
