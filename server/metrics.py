@@ -118,10 +118,11 @@ class ModelStats:
         with self._lock:
             self.deadline_misses += 1
 
-    def set_queue(self, pending: int, window_ns: int, buckets: list[tuple[float, int]] | None = None) -> None:
-        self.pending, self.window_ns = pending, window_ns
-        if buckets:
-            self.buckets = buckets  # rebound, never mutated: a scrape reads a whole list
+    def set_gauges(self, gauges) -> None:
+        """`gauges`: the scheduler's Gauges record, the one way policy state reaches the metrics."""
+        self.pending, self.window_ns = gauges.pending, gauges.window_ns
+        if gauges.buckets:
+            self.buckets = gauges.buckets  # rebound, never mutated: a scrape reads a whole list
 
     def snapshot(self) -> dict:
         """A consistent copy, for the statistics RPC and the Prometheus page."""

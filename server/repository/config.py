@@ -50,11 +50,16 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
     return config
 
 
+def field_error(source: str, field: str, why: str) -> ConfigError:
+    """The one shape of a config refusal: where, which field, why (with the value)."""
+    return ConfigError(f"{source}: field '{field}' {why}")
+
+
 def validate(config: mc.ModelConfig, source: str) -> None:
     """Refuse what Ferry cannot serve, naming the field; fill Triton's defaults so the RPC shows them."""
 
     def fail(field: str, why: str) -> None:
-        raise ConfigError(f"{source}: field '{field}' {why}")
+        raise field_error(source, field, why)
 
     if config.max_batch_size < 0:
         fail("max_batch_size", f"must be >= 0, got {config.max_batch_size}")

@@ -20,7 +20,6 @@ STATUS = {
     # policy both expect that code, so Ferry keeps it.
     errors.QueueFullError: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.RequestCancelledError: grpc.StatusCode.CANCELLED,
     errors.BackendError: grpc.StatusCode.INTERNAL,
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.UnsupportedError: grpc.StatusCode.UNIMPLEMENTED,

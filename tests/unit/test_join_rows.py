@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from server.request import join_rows
+from server.assembly import join_rows
 
 RNG = np.random.default_rng(0)
 
