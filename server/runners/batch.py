@@ -127,7 +127,7 @@ class ModelRunner(RunnerBase):
         result, error = None, None
         try:
             result = await running
-        except Exception as exc:  # noqa: BLE001 - whatever went wrong fails this batch only
+        except Exception as exc:  # whatever went wrong fails this batch only
             if not isinstance(exc, FerryError):
                 log.exception("model '%s': unexpected error running a batch", self.name)
                 exc = BackendError(f"model '{self.name}': {type(exc).__name__}: {exc}")
@@ -137,7 +137,7 @@ class ModelRunner(RunnerBase):
             done = time.monotonic_ns()
             try:
                 self.scheduler.complete(batch, None if result is None else done - started, done)
-            except Exception:  # noqa: BLE001 - the instance and the answers must not be lost with it
+            except Exception:  # the instance and the answers must not be lost with it
                 log.exception("model '%s': the scheduler failed to take back a batch", self.name)
             self._release(worker, done)
         if error is not None:
@@ -160,7 +160,7 @@ class ModelRunner(RunnerBase):
             return  # stopping: a batch started now would only delay the shutdown
         try:
             self._feed(now)
-        except Exception:  # noqa: BLE001 - the loop feeds again on its wake (and fails loudly if it must)
+        except Exception:  # the loop feeds again on its wake (and fails loudly if it must)
             log.exception("model '%s': refilling a freed instance failed", self.name)
 
     def _fail(self, request: InferRequest, error: FerryError) -> None:

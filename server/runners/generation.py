@@ -156,7 +156,7 @@ class GenerationRunner(RunnerBase):
             self._mark_scheduled(plan, now)
             try:
                 sampled = await loop.run_in_executor(self._thread, self.backend.step, plan)
-            except Exception as exc:  # noqa: BLE001 - a failed step fails the sequences in it, not the server
+            except Exception as exc:  # a failed step fails the sequences in it, not the server
                 log.exception("model '%s': step failed", self.name)
                 for seq, _ in plan.entries:
                     self.scheduler.finish(seq, "error")

@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers builds the reference models (test extra)")
 
-from protos import generate_pb2 as gen  # noqa: E402
-from protos import generate_pb2_grpc as gen_grpc  # noqa: E402
-from tests import kserve, llm_builders  # noqa: E402
-from tests.conftest import RunningServer  # noqa: E402
+from protos import generate_pb2 as gen
+from protos import generate_pb2_grpc as gen_grpc
+from tests import kserve, llm_builders
+from tests.conftest import RunningServer
 
 PROMPT = [5, 17, 42, 99, 7]
 GOOD = dict(max_tokens=24, ignore_eos=True)

@@ -14,7 +14,7 @@ from server.assembly import Assembler
 from server.backends.base import Backend, Device
 from server.errors import BackendError, ModelUnavailableError
 from server.metrics import ModelStats
-from server.request import Batch, InferRequest
+from server.request import InferRequest
 from server.runners.batch import ModelRunner
 from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
 from server.scheduling.queue import QueuePolicy, RequestQueue
