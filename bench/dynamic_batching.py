@@ -165,7 +165,7 @@ def measure(address: str, limits: Limits, concurrencies: list[int], duration_s: 
                     executed = max(after[1] - before[1], 1)
                     runs[policy].append({"model": family, "policy": policy + (f" ({target} ms)" if policy == "adaptive" else ""),
                                          **result.summary(), "mean_batch": round((after[0] - before[0]) / executed, 2)})
-            for policy, found in runs.items():
+            for found in runs.values():
                 found.sort(key=lambda r: r["throughput_rps"])
                 rows.append({**found[len(found) // 2], "runs": "/".join(f"{r['throughput_rps']:.0f}" for r in found)})
                 print(rows[-1], flush=True)

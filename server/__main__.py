@@ -10,6 +10,7 @@ from pathlib import Path
 
 from clients.cli import add_client_commands
 from server import __version__
+from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.rpc.auth import Tokens, read_tokens
 from server.rpc.server import MAX_MESSAGE_BYTES, RpcOptions
 
@@ -21,13 +22,14 @@ def _serve_parser(sub) -> None:
     p.add_argument("--grpc-port", type=int, default=8001, help="0 picks a free port and prints it")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port; 0 picks one, -1 disables")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit")
-    p.add_argument("--default-max-batch-size", type=int, default=4, help="max_batch_size for auto-completed configs")
-    p.add_argument("--max-queued-requests", type=int, default=10_000,
+    p.add_argument("--default-max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="max_batch_size for auto-completed configs")
+    p.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="per model version: refuse beyond this many queued requests even if max_queue_size is 0")
     p.add_argument("--max-concurrent-rpcs", type=int, default=16_384, help="gRPC refuses more in-flight calls (0: no limit)")
     p.add_argument("--poll-repository-seconds", type=float, default=0.0,
                    help="hot reload: poll the repository this often and (re)load changed models (0: off)")
-    p.add_argument("--drain-grace-seconds", type=float, default=30.0, help="how long shutdown waits for admitted work")
+    p.add_argument("--drain-grace-seconds", type=float, default=DRAIN_GRACE_S,
+                   help="how long shutdown, unload and reload wait for admitted work")
     p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key) to serve TLS")
     p.add_argument("--tls-key", type=Path, help="PEM private key")
     p.add_argument("--tls-ca", type=Path,

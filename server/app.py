@@ -1,4 +1,4 @@
-"""Wiring: repository -> runners -> rpc server -> metrics endpoint; ordered start and drain."""
+"""Wiring: registry(runner factory, drain grace) -> rpc server -> metrics endpoint; ordered start and drain."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from server import heap
+from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
@@ -20,6 +21,7 @@ from server.rpc.drain import DrainGate
 from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
+from server.runners.factory import RunnerFactory
 
 log = logging.getLogger("ferry")
 QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
@@ -30,9 +32,9 @@ class ServerConfig:
     model_repository: Path
     rpc: RpcOptions = field(default_factory=RpcOptions)
     metrics_port: int | None = 8002  # None: no metrics endpoint
-    default_max_batch_size: int = 4
-    max_queued_requests: int = 10_000  # per model version, whatever its queue policy says
-    drain_grace_s: float = 30.0
+    default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+    max_queued_requests: int = MAX_QUEUED_REQUESTS
+    drain_grace_s: float = DRAIN_GRACE_S
     poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
     tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
     metrics_host: str | None = None  # None: the gRPC host
@@ -49,8 +51,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     health = ServerHealth()
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
-    registry = Registry(config.model_repository, Histograms(prom), config.default_max_batch_size,
-                        config.max_queued_requests, GenerationFamilies(prom))
+    factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests)
+    registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
     prom.register(StatsCollector(registry.stats))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
@@ -66,8 +68,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     heap.park()
     health.ready = True
     await rpc.set_serving(True)
-    for name, state, reason in ((r[0], r[2], r[3]) for r in registry.index()):
-        log.info("model %-24s %-11s %s", name, state, reason)
+    for row in registry.index():
+        log.info("model %-24s %-11s %s", row.name, row.state, row.reason)
     watcher = None
     if config.poll_repository_s > 0:
         watcher = RepositoryWatcher(registry, config.poll_repository_s)

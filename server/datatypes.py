@@ -36,14 +36,6 @@ BY_API = {t.api: t for t in _TABLE}
 BY_CONFIG = {t.config: t for t in _TABLE}
 # Little-endian on the wire; numpy's native order here is little-endian too, so views need no swap.
 _BY_NUMPY = {t.numpy: t for t in _TABLE}
-# ONNX Runtime and torch spell element types their own way.
-_ONNX_TYPE_NAMES = {
-    "tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16",
-    "tensor(uint32)": "UINT32", "tensor(uint64)": "UINT64", "tensor(int8)": "INT8",
-    "tensor(int16)": "INT16", "tensor(int32)": "INT32", "tensor(int64)": "INT64",
-    "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
-    "tensor(string)": "BYTES",
-}
 
 
 def from_numpy(dtype: np.dtype) -> DataType:
@@ -55,10 +47,3 @@ def from_numpy(dtype: np.dtype) -> DataType:
     if found is None:
         raise TypeError(f"numpy dtype {dtype} has no KServe datatype")
     return found
-
-
-def from_onnx(type_name: str) -> DataType:
-    api = _ONNX_TYPE_NAMES.get(type_name)
-    if api is None:
-        raise TypeError(f"ONNX element type {type_name!r} is not supported")
-    return BY_API[api]

@@ -33,10 +33,6 @@ class DeadlineExceededError(FerryError):
     """The request's deadline passed before it could run."""
 
 
-class RequestCancelledError(FerryError):
-    """The client went away; the result has nowhere to go."""
-
-
 class BackendError(FerryError):
     """The backend failed while running a batch; only that batch's requests see it."""
 

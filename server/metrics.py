@@ -118,10 +118,11 @@ class ModelStats:
         with self._lock:
             self.deadline_misses += 1
 
-    def set_queue(self, pending: int, window_ns: int, buckets: list[tuple[float, int]] | None = None) -> None:
-        self.pending, self.window_ns = pending, window_ns
-        if buckets:
-            self.buckets = buckets  # rebound, never mutated: a scrape reads a whole list
+    def set_gauges(self, gauges) -> None:
+        """`gauges`: the scheduler's Gauges record, the one way policy state reaches the metrics."""
+        self.pending, self.window_ns = gauges.pending, gauges.window_ns
+        if gauges.buckets:
+            self.buckets = gauges.buckets  # rebound, never mutated: a scrape reads a whole list
 
     def snapshot(self) -> dict:
         """A consistent copy, for the statistics RPC and the Prometheus page."""
@@ -156,7 +157,8 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
     ("nv_inference_compute_infer_duration_us", "counter", "Cumulative model execution time", lambda s: s["compute_infer"][1] / 1000),
     ("nv_inference_compute_output_duration_us", "counter", "Cumulative output extraction time", lambda s: s["compute_output"][1] / 1000),
     ("nv_inference_pending_request_count", "gauge", "Requests queued, not yet executing", lambda s: s["pending"]),
-    ("ferry_deadline_misses", "counter", "Requests whose deadline passed while queued (rejected or run late)", lambda s: s["deadline_misses"]),
+    ("ferry_deadline_misses", "counter", "Requests whose deadline passed while queued (rejected or run late)",
+     lambda s: s["deadline_misses"]),
     ("ferry_batch_window_ms", "gauge", "Batching window in force (adaptive or fixed)", lambda s: s["window_ns"] / 1e6),
     ("ferry_padding_elements", "counter", "Positions along a variable length that were padding (rows x padded length - true lengths)",
      lambda s: s["padded_elements"]),

@@ -3,8 +3,8 @@
 A config marks inputs `variable_length`; the first -1 in their dims is the length. A batch is
 right-padded to its longest member with the input's `padding_value`, the server fills the inputs
 named by `lengths_input` ([rows, 1] true lengths) and `mask_input` ([rows, longest] 1/0), and outputs
-marked `variable_length` are sliced back to each request's own length. Copies are one numpy
-assignment per request and input; nothing loops over elements.
+marked `variable_length` are sliced back to each request's own length. This module holds the rules
+read from the config; assembly.py applies them to a batch.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ import numpy as np
 
 from protos import model_config_pb2 as mc
 from server import datatypes
-from server.errors import BackendError, ConfigError, InvalidInputError
-from server.request import InferRequest, copies_as_bytes, join_rows
+from server.errors import ConfigError, InvalidInputError
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,73 +88,6 @@ class Padding:
         if spec is None:
             return shape
         return shape[:spec.axis - 1] + (-1,) + shape[spec.axis:]
-
-    def gather(self, requests: list[InferRequest]) -> tuple[dict[str, np.ndarray], PadCount]:
-        """The batch's inputs, padded to its longest member, with the lengths and masks filled in."""
-        rows = np.array([r.batch_size for r in requests])
-        lengths = np.array([r.length for r in requests])
-        longest = int(lengths.max())
-        first = requests[0]
-        joined = {}
-        for name in first.inputs:
-            arrays = [r.inputs[name] for r in requests]
-            spec = self.inputs.get(name)
-            if spec is not None and (lengths != longest).any():
-                joined[name] = _pad(arrays, spec, longest)
-            else:
-                joined[name] = arrays[0] if len(arrays) == 1 else join_rows(arrays)
-        row_lengths = np.repeat(lengths, rows)  # [total rows]
-        for name, dtype in self.lengths.items():
-            joined[name] = row_lengths.reshape(-1, 1).astype(dtype)
-        for name, dtype in self.masks.items():
-            joined[name] = (np.arange(longest) < row_lengths[:, None]).astype(dtype)  # [rows, longest]
-        computed = int(rows.sum()) * longest
-        return joined, PadCount(computed - int((rows * lengths).sum()), computed)
-
-    def trim(self, requests: list[InferRequest], split: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Slice variable-length outputs back to each request's own length (views, no copies)."""
-        if not self.outputs:
-            return split
-        longest = max(r.length for r in requests)
-        for request, outputs in zip(requests, split):
-            for name, axis in self.outputs.items():
-                value = outputs.get(name)
-                if value is None:
-                    continue
-                if value.ndim <= axis or value.shape[axis] != longest:
-                    raise BackendError(
-                        f"output '{name}' has shape {list(value.shape)}; as a variable_length output its dim {axis} "
-                        f"must be the batch's padded length {longest}"
-                    )
-                index = [slice(None)] * value.ndim
-                index[axis] = slice(0, request.length)
-                outputs[name] = value[tuple(index)]
-        return split
-
-
-def _pad(arrays: list[np.ndarray], spec: PaddedInput, longest: int) -> np.ndarray:
-    shape = list(arrays[0].shape)
-    shape[0] = sum(a.shape[0] for a in arrays)
-    shape[spec.axis] = longest
-    out = np.full(shape, spec.value, dtype=arrays[0].dtype)
-    if spec.axis == 1 and copies_as_bytes(arrays, out.dtype):
-        # Each row's real positions are the start of its padded row: plain byte copies that keep the
-        # GIL (NumPy lets go of it per copy of a long row; see request.join_rows).
-        target, padded_row, row = memoryview(out).cast("B"), out[0].nbytes, 0
-        for array in arrays:
-            source, real_row = memoryview(array).cast("B"), array[0].nbytes
-            for k in range(array.shape[0]):
-                target[row * padded_row:row * padded_row + real_row] = source[k * real_row:(k + 1) * real_row]
-                row += 1
-        return out
-    index = [slice(None)] * len(shape)
-    start = 0
-    for array in arrays:
-        index[0] = slice(start, start + array.shape[0])
-        index[spec.axis] = slice(0, array.shape[spec.axis])
-        out[tuple(index)] = array
-        start += array.shape[0]
-    return out
 
 
 def _length_axis(tensor, where: str) -> int:

@@ -10,8 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from server.errors import BackendError
-
 
 @dataclass(slots=True, eq=False)
 class InferRequest:
@@ -53,61 +51,3 @@ class Batch:
     @property
     def size(self) -> int:
         return sum(r.batch_size for r in self.requests)
-
-    def gather_inputs(self) -> dict[str, np.ndarray]:
-        """Join every input along dim 0: one copy per input, none for a single request."""
-        first = self.requests[0]
-        if len(self.requests) == 1:
-            return first.inputs
-        return {name: join_rows([r.inputs[name] for r in self.requests]) for name in first.inputs}
-
-    def scatter_outputs(self, outputs: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        """Split batch outputs back per request as views; refuse outputs whose rows do not add up."""
-        if not self.batched:
-            return [outputs]
-        total = self.size
-        for name, value in outputs.items():
-            if value.ndim == 0 or value.shape[0] != total:
-                raise BackendError(
-                    f"output '{name}' has shape {list(value.shape)} but the batch has {total} rows; "
-                    "a batching model must return one row per input row"
-                )
-        results, start = [], 0
-        for request in self.requests:
-            stop = start + request.batch_size
-            results.append({name: value[start:stop] for name, value in outputs.items()})
-            start = stop
-        return results
-
-
-def join_rows(arrays: list[np.ndarray]) -> np.ndarray:
-    """np.concatenate along dim 0, copying every part without letting go of the GIL.
-
-    NumPy releases the GIL around each part's copy. With another thread busy in Python, every part
-    then waits up to the switch interval (5 ms) to get it back: 23 parts of 64 KiB took 57 ms instead
-    of 0.05 ms next to one busy thread. Copying through memoryviews keeps the GIL for the whole
-    (short) copy. Anything unusual (see copies_as_bytes, or parts that disagree) goes to
-    np.concatenate, which also raises the errors.
-    """
-    first = arrays[0]
-    rest = first.shape[1:]
-    if any(a.shape[1:] != rest for a in arrays) or not copies_as_bytes(arrays, first.dtype):
-        return np.concatenate(arrays)
-    out = np.empty((sum(a.shape[0] for a in arrays), *rest), first.dtype)
-    target, start = memoryview(out).cast("B"), 0
-    for a in arrays:
-        target[start:start + a.nbytes] = memoryview(a).cast("B")
-        start += a.nbytes
-    return out
-
-
-def copies_as_bytes(arrays: list[np.ndarray], dtype: np.dtype) -> bool:
-    """Whether every part can be copied as raw bytes into an array of `dtype`: the same plain dtype,
-    C-contiguous, and a dtype Python's buffer protocol can describe (extension dtypes may not)."""
-    if dtype.hasobject or any(a.dtype != dtype or not a.flags.c_contiguous for a in arrays):
-        return False
-    try:
-        memoryview(arrays[0])
-    except (TypeError, ValueError):
-        return False
-    return True

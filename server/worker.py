@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from server.assembly import Assembler, assembler_for
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError
 from server.padding import PadCount
@@ -29,6 +30,7 @@ class Worker:
     def __init__(self, backend: Backend, signature: Signature, name: str):
         self.backend = backend
         self.signature = signature
+        self.assembler: Assembler = assembler_for(signature)  # plain or padded, fixed at load
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def start(self, batch: Batch) -> asyncio.Future[BatchResult]:
@@ -37,18 +39,14 @@ class Worker:
         The copy is done here because the loop holds the GIL already: on the instance's thread it had
         to win the GIL from the busy loop first, and np.concatenate then let go of it around every
         part (heavy encoder, 64 clients: 2.4 ms of wall time for 0.5 ms of copying per batch; the copy
-        now keeps the GIL, see request.join_rows). Submitting here
+        now keeps the GIL, see assembly.join_rows). Submitting here
         rather than in the task that awaits the result starts the run before the callbacks already
         queued on the loop. A failure to assemble fails this batch's future, never the caller.
         """
         loop = asyncio.get_running_loop()
         t0 = time.monotonic_ns()
         try:
-            padding = self.signature.padding
-            if padding is not None:
-                inputs, pad_count = padding.gather(batch.requests)
-            else:
-                inputs, pad_count = batch.gather_inputs(), PadCount()
+            inputs, pad_count = self.assembler.gather(batch)
             return loop.run_in_executor(self._thread, self._execute, batch, inputs, pad_count, time.monotonic_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             failed = loop.create_future()
@@ -56,7 +54,6 @@ class Worker:
             return failed
 
     def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int) -> BatchResult:
-        padding = self.signature.padding
         t1 = time.monotonic_ns()
         try:
             outputs = self.backend.execute(inputs)
@@ -66,9 +63,7 @@ class Worker:
             raise BackendError(f"model '{self.signature.model}' failed: {exc}") from exc
         t2 = time.monotonic_ns()
         self._check(outputs)
-        split = batch.scatter_outputs(outputs)
-        if padding is not None:
-            split = padding.trim(batch.requests, split)
+        split = self.assembler.split(batch, outputs)
         return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count)
 
     def _check(self, outputs: dict[str, np.ndarray]) -> None:

@@ -50,50 +50,27 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
     return config
 
 
+def field_error(source: str, field: str, why: str) -> ConfigError:
+    """The one shape of a config refusal: where, which field, why (with the value)."""
+    return ConfigError(f"{source}: field '{field}' {why}")
+
+
 def validate(config: mc.ModelConfig, source: str) -> None:
     """Refuse what Ferry cannot serve, naming the field; fill Triton's defaults so the RPC shows them."""
-
-    def fail(field: str, why: str) -> None:
-        raise ConfigError(f"{source}: field '{field}' {why}")
-
     if config.max_batch_size < 0:
-        fail("max_batch_size", f"must be >= 0, got {config.max_batch_size}")
+        raise field_error(source, "max_batch_size", f"must be >= 0, got {config.max_batch_size}")
     scheduling = config.WhichOneof("scheduling_choice")
     if scheduling not in _SUPPORTED_SCHEDULING:
-        fail(scheduling, "is not supported by Ferry yet (supported: dynamic_batching)")
-    if not config.input:
-        fail("input", "is empty and the model file does not declare its inputs")
-    if not config.output:
-        fail("output", "is empty and the model file does not declare its outputs")
+        raise field_error(source, scheduling, "is not supported by Ferry yet (supported: dynamic_batching)")
     for kind, tensors in (("input", config.input), ("output", config.output)):
-        seen = set()
-        for i, tensor in enumerate(tensors):
-            where = f"{kind}[{i}]"
-            if not tensor.name:
-                fail(f"{where}.name", "is missing")
-            if tensor.name in seen:
-                fail(f"{where}.name", f"repeats {tensor.name!r}")
-            seen.add(tensor.name)
-            if tensor.data_type == mc.TYPE_INVALID or tensor.data_type == mc.TYPE_BF16:
-                fail(f"{where}.data_type", f"of {tensor.name!r} must be a supported TYPE_* (got {mc.DataType.Name(tensor.data_type)})")
-            if not tensor.dims:
-                fail(f"{where}.dims", f"of {tensor.name!r} must have at least one dimension")
-            if any(d == 0 or d < -1 for d in tensor.dims):
-                fail(f"{where}.dims", f"of {tensor.name!r} must be -1 or positive, got {list(tensor.dims)}")
-            if tensor.HasField("reshape"):
-                fail(f"{where}.reshape", "is not supported by Ferry yet")
+        if not tensors:
+            raise field_error(source, kind, f"is empty and the model file does not declare its {kind}s")
+        _validate_tensors(kind, tensors, source)
     if config.HasField("dynamic_batching"):
-        db = config.dynamic_batching
-        if config.max_batch_size == 0:
-            fail("dynamic_batching", "needs max_batch_size > 0")
-        if db.latency_target_ms < 0:
-            fail("dynamic_batching.latency_target_ms", f"must be >= 0, got {db.latency_target_ms}")
-        for size in db.preferred_batch_size:
-            if not 1 <= size <= config.max_batch_size:
-                fail("dynamic_batching.preferred_batch_size", f"has {size}, outside 1..max_batch_size ({config.max_batch_size})")
+        _validate_dynamic_batching(config, source)
     for i, group in enumerate(config.instance_group):
         if group.count < 0:
-            fail(f"instance_group[{i}].count", f"must be >= 1, got {group.count}")
+            raise field_error(source, f"instance_group[{i}].count", f"must be >= 1, got {group.count}")
         if group.count == 0:
             group.count = 1
     if not config.instance_group:
@@ -101,3 +78,35 @@ def validate(config: mc.ModelConfig, source: str) -> None:
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
 
+
+
+def _validate_tensors(kind: str, tensors, source: str) -> None:
+    seen = set()
+    for i, tensor in enumerate(tensors):
+        where, name = f"{kind}[{i}]", tensor.name
+        if not name:
+            raise field_error(source, f"{where}.name", "is missing")
+        if name in seen:
+            raise field_error(source, f"{where}.name", f"repeats {name!r}")
+        seen.add(name)
+        if tensor.data_type in (mc.TYPE_INVALID, mc.TYPE_BF16):
+            raise field_error(source, f"{where}.data_type",
+                              f"of {name!r} must be a supported TYPE_* (got {mc.DataType.Name(tensor.data_type)})")
+        if not tensor.dims:
+            raise field_error(source, f"{where}.dims", f"of {name!r} must have at least one dimension")
+        if any(d == 0 or d < -1 for d in tensor.dims):
+            raise field_error(source, f"{where}.dims", f"of {name!r} must be -1 or positive, got {list(tensor.dims)}")
+        if tensor.HasField("reshape"):
+            raise field_error(source, f"{where}.reshape", "is not supported by Ferry yet")
+
+
+def _validate_dynamic_batching(config: mc.ModelConfig, source: str) -> None:
+    db = config.dynamic_batching
+    if config.max_batch_size == 0:
+        raise field_error(source, "dynamic_batching", "needs max_batch_size > 0")
+    if db.latency_target_ms < 0:
+        raise field_error(source, "dynamic_batching.latency_target_ms", f"must be >= 0, got {db.latency_target_ms}")
+    for size in db.preferred_batch_size:
+        if not 1 <= size <= config.max_batch_size:
+            raise field_error(source, "dynamic_batching.preferred_batch_size",
+                              f"has {size}, outside 1..max_batch_size ({config.max_batch_size})")

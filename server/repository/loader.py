@@ -1,4 +1,4 @@
-"""Turn one model folder into loaded versions: config, backend instances, scheduler.
+"""Turn one model folder into loaded versions: config, signature, backend instances.
 
 Runs in a worker thread at startup (model files can be large); nothing here touches the event loop.
 Failures are per version where possible, so one corrupt file never hides the model's other versions.
@@ -16,10 +16,6 @@ from server import backends
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.repository import config as config_io
-from server.scheduling.base import Scheduler
-from server.scheduling.binpack import BinPackBatcher, BinPackSettings
-from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
-from server.scheduling.queue import DELAY, REJECT, QueuePolicy, RequestQueue
 from server.signature import Signature
 
 log = logging.getLogger(__name__)
@@ -129,63 +125,3 @@ def _devices(config: mc.ModelConfig, backend_cls) -> list[Device]:
                 raise ConfigError(f"instance_group names gpu {gpu} but only {cuda_count} CUDA devices exist")
         devices += [Device("cuda", gpu) for gpu in gpus for _ in range(group.count)]
     return devices
-
-
-def build_scheduler(config: mc.ModelConfig, max_queued: int = 0) -> Scheduler:
-    """The model's batching policy: cost buckets when `binpack_batching` is present, else dynamic batching."""
-    settings, queue = batching_settings(config), request_queue(config, max_queued)
-    if config.HasField("binpack_batching"):
-        return BinPackBatcher(settings, binpack_settings(config), queue)
-    return DynamicBatcher(settings, queue)
-
-
-def batching_settings(config: mc.ModelConfig) -> BatchingSettings:
-    db = config.dynamic_batching
-    return BatchingSettings(
-        max_batch_size=config.max_batch_size,
-        preferred_batch_sizes=tuple(db.preferred_batch_size),
-        max_queue_delay_ns=db.max_queue_delay_microseconds * 1000,
-        join=config.HasField("dynamic_batching"),
-        latency_target_ns=int(db.latency_target_ms * 1_000_000),
-    )
-
-
-def request_queue(config: mc.ModelConfig, max_queued: int = 0) -> RequestQueue:
-    """Priority levels and queue policies, read from `dynamic_batching` for every batching policy."""
-    db = config.dynamic_batching
-    levels = max(int(db.priority_levels), 1)
-
-    def policy(p: mc.ModelQueuePolicy) -> QueuePolicy:
-        action = DELAY if p.timeout_action == mc.ModelQueuePolicy.DELAY else REJECT
-        return QueuePolicy(action, p.default_timeout_microseconds, p.allow_timeout_override, p.max_queue_size)
-
-    default = policy(db.default_queue_policy)
-    policies = [policy(db.priority_queue_policy[i]) if i in db.priority_queue_policy else default for i in range(1, levels + 1)]
-    default_level = int(db.default_priority_level) or 1
-    if default_level > levels:
-        raise ConfigError(f"{config.name}: dynamic_batching.default_priority_level {default_level} exceeds priority_levels {levels}")
-    return RequestQueue(policies, default_level, max_queued)
-
-
-def binpack_settings(config: mc.ModelConfig) -> BinPackSettings:
-    bp, defaults = config.binpack_batching, BinPackSettings()
-
-    def fail(field: str, why: str) -> None:
-        raise ConfigError(f"{config.name}: binpack_batching{field} {why}")
-
-    bounds = tuple(bp.bucket_boundaries)
-    if config.max_batch_size <= 0:
-        fail("", f"needs max_batch_size > 0, got {config.max_batch_size}")
-    if any(b <= 0 for b in bounds) or any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
-        fail(".bucket_boundaries", f"must be positive and strictly ascending, got {list(bounds)}")
-    for name in ("max_batch_cost", "stretch"):
-        if getattr(bp, name) < 0:
-            fail(f".{name}", f"must be >= 0, got {getattr(bp, name)}")
-    return BinPackSettings(
-        quadratic=bp.cost_model == mc.ModelBinPacking.QUADRATIC,
-        boundaries=bounds,
-        num_buckets=bp.num_buckets or defaults.num_buckets,
-        learning_window=bp.learning_window or defaults.learning_window,
-        max_batch_cost=bp.max_batch_cost,
-        stretch=bp.stretch or defaults.stretch,
-    )

@@ -1,4 +1,8 @@
-"""Live (model, version) -> state and runner; the one place requests look models up."""
+"""Live (model, version) -> state and runner; the one place requests look models up.
+
+The registry knows names, versions, folders and load/unload/ready states. It builds no serving
+objects itself: the runner factory app.py hands it turns each loaded version into a `Runner`.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +10,20 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from protos import model_config_pb2 as mc
 from server import heap
+from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S
 from server.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelUnavailableError
-from server.metrics import Histograms, ModelStats
-from server.generation_metrics import GenerationFamilies, GenerationStats
-from server.repository import generation, loader
-from server.runner import ModelRunner
+from server.repository import loader
 from server.signature import Signature
-from server.worker import Worker
+
+if TYPE_CHECKING:
+    from server.metrics import ModelStats
+    from server.runners.base import Runner
+
+    BuildRunner = Callable[[str, loader.LoadedVersion], Runner]
 
 log = logging.getLogger(__name__)
 
@@ -30,21 +38,30 @@ class ModelVersion:
     reason: str = ""
     config: mc.ModelConfig | None = None
     signature: Signature | None = None
-    runner: ModelRunner | None = None
+    runner: Runner | None = None
 
     @property
     def ready(self) -> bool:
         return self.state == READY
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class IndexRow:
+    """One line of the repository index: a model version found, loaded or not (version '' : the model)."""
+
+    name: str
+    version: str
+    state: str
+    reason: str
+
+
 class Registry:
-    def __init__(self, root: Path, histograms: Histograms | None = None, default_max_batch_size: int = 4,
-                 max_queued: int = 0, generation_families: GenerationFamilies | None = None):
+    def __init__(self, root: Path, build_runner: BuildRunner, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+                 drain_grace_s: float = DRAIN_GRACE_S):
         self.root = root
-        self.histograms = histograms
+        self.build_runner = build_runner
         self.default_max_batch_size = default_max_batch_size
-        self.max_queued = max_queued
-        self.generation_families = generation_families
+        self.drain_grace_s = drain_grace_s  # for versions retired by a reload or unload
         self._models: dict[str, dict[int, ModelVersion]] = {}
         self._errors: dict[str, str] = {}  # model-wide failures (bad config), shown with an empty version
         self._locks: dict[str, asyncio.Lock] = {}  # one load or unload of a model at a time
@@ -66,11 +83,11 @@ class Registry:
         if error:
             raise ModelUnavailableError(f"failed to load model '{name}': {error}")
 
-    async def unload(self, name: str, grace_s: float = 30.0) -> None:
+    async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, let admitted ones finish, release its memory."""
         if not self.knows(name):
             raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
-        await self._owned(self._locked(name, self._unload(name, grace_s)))
+        await self._owned(self._locked(name, self._unload(name, self.drain_grace_s)))
 
     async def _unload(self, name: str, grace_s: float) -> str:
         versions = list(self._models.get(name, {}).values())
@@ -116,7 +133,7 @@ class Registry:
         old = list(self._models.get(name, {}).values())
         self._models[name] = versions
         self._errors.pop(name, None)
-        await self._retire(old, grace_s=30.0)
+        await self._retire(old, self.drain_grace_s)
         return why
 
     def _start(self, name: str, entry: loader.LoadedVersion) -> ModelVersion:
@@ -125,7 +142,7 @@ class Registry:
             mv.state, mv.reason = UNAVAILABLE, entry.error
             return mv
         try:
-            mv.runner = self._runner(name, entry)
+            mv.runner = self.build_runner(name, entry)
         except ConfigError as exc:
             mv.state, mv.reason = UNAVAILABLE, exc.message
             for backend in entry.backends:
@@ -146,15 +163,6 @@ class Registry:
         await asyncio.gather(*closing)
         if closing:
             heap.reclaim()
-
-    def _runner(self, name: str, entry: loader.LoadedVersion):
-        stats = ModelStats(name, entry.version, self.histograms)
-        if entry.config.backend == "llm":
-            return generation.build_runner(name, entry, stats, GenerationStats(self.generation_families, name, entry.version))
-        scheduler = loader.build_scheduler(entry.config, self.max_queued)
-        workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
-        ordered = entry.config.dynamic_batching.preserve_ordering
-        return ModelRunner(name, entry.version, scheduler, workers, stats, preserve_ordering=ordered)
 
     def get(self, name: str, version: str = "") -> ModelVersion:
         """The version a request should use; raises NOT_FOUND / UNAVAILABLE / INVALID_ARGUMENT errors."""
@@ -193,11 +201,11 @@ class Registry:
     def stats(self) -> list[ModelStats]:
         return [mv.runner.stats for mv in self.all_versions() if mv.runner is not None]
 
-    def index(self) -> list[tuple[str, str, str, str]]:
-        """(name, version, state, reason) for every model found, loaded or not."""
-        rows = [(n, "", UNAVAILABLE, reason) for n, reason in self._errors.items()]
-        rows += [(n, "", LOADING, "") for n in self._loading if n not in self._models and n not in self._errors]
-        rows += [(mv.name, str(mv.version), mv.state, mv.reason) for mv in self.all_versions()]
+    def index(self) -> list[IndexRow]:
+        """Every model found, loaded or not, sorted by name and version."""
+        rows = [IndexRow(n, "", UNAVAILABLE, reason) for n, reason in self._errors.items()]
+        rows += [IndexRow(n, "", LOADING, "") for n in self._loading if n not in self._models and n not in self._errors]
+        rows += [IndexRow(mv.name, str(mv.version), mv.state, mv.reason) for mv in self.all_versions()]
         return sorted(rows)
 
     async def close(self, grace_s: float) -> None:

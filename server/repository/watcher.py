@@ -50,7 +50,7 @@ class RepositoryWatcher:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.poll()
-            except Exception:  # noqa: BLE001 - a bad poll must not end hot reload
+            except Exception:  # a bad poll must not end hot reload
                 log.exception("polling the model repository failed")
 
     async def poll(self) -> None:

@@ -20,7 +20,6 @@ STATUS = {
     # policy both expect that code, so Ferry keeps it.
     errors.QueueFullError: grpc.StatusCode.UNAVAILABLE,
     errors.DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    errors.RequestCancelledError: grpc.StatusCode.CANCELLED,
     errors.BackendError: grpc.StatusCode.INTERNAL,
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.UnsupportedError: grpc.StatusCode.UNIMPLEMENTED,
@@ -43,7 +42,7 @@ def translate_errors(method):
             return await method(self, request, context)
         except errors.FerryError as exc:
             await context.abort(status_of(exc), exc.message)
-        except Exception as exc:  # noqa: BLE001 - the server keeps serving whatever a handler hits
+        except Exception as exc:  # the server keeps serving whatever a handler hits
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             log.exception("unexpected error in %s", method.__name__)
@@ -63,7 +62,7 @@ def translate_stream_errors(method):
                     yield response
         except errors.FerryError as exc:
             await context.abort(status_of(exc), exc.message)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # the server keeps serving whatever a handler hits
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             log.exception("unexpected error in %s", method.__name__)

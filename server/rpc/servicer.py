@@ -11,10 +11,11 @@ from server import __version__
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
-from server.runner import ModelRunner
 from server.rpc import codec
 from server.rpc.errors import translate_errors
+from server.rpc.lookup import serving
 from server.rpc.stream_infer import stream_infer
+from server.runners.base import INFER
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy"]
@@ -73,8 +74,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request, context):
         rows = self.registry.index()
         if request.ready:
-            rows = [r for r in rows if r[2] == READY]
-        models = [pb.RepositoryIndexResponse.ModelIndex(name=n, version=v, state=s, reason=r) for n, v, s, r in rows]
+            rows = [r for r in rows if r.state == READY]
+        models = [pb.RepositoryIndexResponse.ModelIndex(name=r.name, version=r.version, state=r.state, reason=r.reason)
+                  for r in rows]
         return pb.RepositoryIndexResponse(models=models)
 
     @translate_errors
@@ -94,12 +96,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ModelInfer(self, request, context):
         arrival = time.monotonic_ns()
-        mv = self.registry.get(request.model_name, request.model_version)
-        return await _infer(request, mv, arrival, context.time_remaining())
+        return await self._infer(request, arrival, context.time_remaining())
 
     async def ModelStreamInfer(self, request_iterator, context):
-        async def infer_one(request, mv, arrival):
-            return await _infer(request, mv, arrival, context.time_remaining())
+        async def infer_one(request, arrival):
+            return await self._infer(request, arrival, context.time_remaining())
 
         remaining = context.time_remaining()
         deadline = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else None
@@ -107,15 +108,12 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             async for response in responses:
                 yield response
 
-
-async def _infer(request: pb.ModelInferRequest, mv: ModelVersion, arrival: int, remaining_s: float | None):
-    if not isinstance(mv.runner, ModelRunner):
-        raise UnsupportedError(f"ModelInfer does not serve generation model '{mv.name}' (decoupled); stream from it "
-                               "with ModelStreamInfer or ferry.generate.v1.Generation/Generate")
-    infer = _decode(request, mv, arrival, remaining_s)
-    outputs = await mv.runner.infer(infer)
-    names = infer.requested_outputs or tuple(mv.signature.outputs)
-    return codec.encode_response(request, mv.version, outputs, names)
+    async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
+        mv = serving(self.registry, request.model_name, request.model_version, INFER)
+        infer = _decode(request, mv, arrival, remaining_s)
+        outputs = await mv.runner.infer(infer)
+        names = infer.requested_outputs or tuple(mv.signature.outputs)
+        return codec.encode_response(request, mv.version, outputs, names)
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:

@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 from server.request import Batch, InferRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Gauges:
+    """What a policy shows on the metrics page, read once per loop turn: one record, whatever the policy."""
+
+    pending: int = 0  # requests waiting
+    window_ns: int = 0  # the batching window in force (0 where the policy has none)
+    buckets: list[tuple[float, int]] = field(default_factory=list)  # (upper cost bound, waiting) per cost bucket
 
 
 class Scheduler(ABC):
@@ -38,13 +48,9 @@ class Scheduler(ABC):
     def complete(self, batch: Batch, exec_ns: int | None, now_ns: int) -> None:
         """A dispatched batch finished (exec_ns None: it failed); adaptive policies learn from it."""
 
-    def window_ns(self) -> int:
-        """The batching window in force, for the metrics page (0 where the policy has none)."""
-        return 0
-
-    def buckets(self) -> list[tuple[float, int]]:
-        """(upper cost bound, requests waiting) per cost bucket, for the metrics page; [] where the policy has none."""
-        return []
+    def gauges(self) -> Gauges:
+        """The policy's state for the metrics page; a policy with more to show extends the record."""
+        return Gauges(pending=len(self))
 
     @abstractmethod
     def __len__(self) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from server.request import Batch, InferRequest
+from server.scheduling.base import Gauges
 from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
 from server.scheduling.queue import Group, RequestQueue
 
@@ -116,7 +117,10 @@ class BinPackBatcher(DynamicBatcher):
             old = self._batch_ns.get(batch.bucket)
             self._batch_ns[batch.bucket] = exec_ns if old is None else old + _ALPHA * (exec_ns - old)
 
-    def buckets(self) -> list[tuple[float, int]]:
+    def gauges(self) -> Gauges:
+        return replace(super().gauges(), buckets=self._bucket_depths())
+
+    def _bucket_depths(self) -> list[tuple[float, int]]:
         bounds = self.costs.boundaries
         depth = [0] * (len(bounds) + 1)
         for group in self.queue.groups():

@@ -9,7 +9,8 @@ When a running sequence needs a block and none is free, the least urgent running
 priority, most recently admitted) is preempted: its blocks are freed and it waits at the head of its
 priority to be recomputed from its prompt plus what it already generated, so the client sees no gap
 or duplicate. A step that preempted admits nothing new, and admission keeps a margin of free blocks
-so a resumed sequence is not evicted again at once.
+so a resumed sequence is not evicted again at once. Every token-level finish (eos, a stop token id,
+max_tokens, max_model_len) is decided here, in `postprocess`; the runner only adds text-level stops.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import itertools
 from dataclasses import dataclass
 
 from server.errors import InvalidInputError, QueueFullError
+from server.scheduling.base import Gauges
 from server.scheduling.kv_blocks import KVBlockPool
 from server.scheduling.sequence import Sequence, SeqStatus
 
@@ -30,6 +32,7 @@ class ContinuousSettings:
     max_model_len: int = 2048
     max_waiting: int = 1024
     admit_margin_blocks: int = 1
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -153,15 +156,34 @@ class ContinuousScheduler:
         self.preemptions += 1
         self._push_waiting(seq, preempted=True)
 
-    def postprocess(self, plan: StepPlan, sampled: dict[int, int]) -> None:
-        """Fold a finished step back in: advance computed counts and append sampled tokens."""
+    def postprocess(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+        """Fold a finished step back in: advance computed counts and append sampled tokens. A sequence
+        whose new token ends it leaves `running`, gives back its blocks and is returned, with
+        `finish_reason` set. Cancelled sequences are left to `drop_cancelled`."""
+        finished = []
         for seq, n in plan.entries:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # cancelled or finished while the step ran: its output is dropped
             seq.num_computed += n
             token = sampled.get(seq.seq_id)
-            if token is not None:
-                seq.token_ids.append(token)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = None if seq.cancelled else self._finish_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.sampling
+        if token in self.settings.eos_token_ids and not params.ignore_eos:
+            return "eos"
+        if token in params.stop_token_ids:
+            return "stop"
+        if seq.num_output >= params.max_tokens or seq.num_tokens >= self.settings.max_model_len:
+            return "length"
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence (length, stop, eos, deadline) and return its blocks."""
@@ -173,6 +195,9 @@ class ContinuousScheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.pool.free(seq)
+
+    def gauges(self) -> Gauges:
+        return Gauges(pending=self.num_waiting)
 
     def fragmentation(self) -> float:
         return self.pool.fragmentation(self.running)

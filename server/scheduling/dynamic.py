@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from server.request import Batch, InferRequest
 from server.scheduling.adaptive import AdaptiveWindow, FixedWindow
-from server.scheduling.base import Scheduler
+from server.scheduling.base import Gauges, Scheduler
 from server.scheduling.queue import Group, RequestQueue
 
 
@@ -54,8 +54,8 @@ class DynamicBatcher(Scheduler):
     def _in_system(self) -> int:
         return len(self.queue) + self._executing
 
-    def window_ns(self) -> int:
-        return self.window.current_ns
+    def gauges(self) -> Gauges:
+        return Gauges(pending=len(self), window_ns=self.window.current_ns)
 
     def cancel(self, request: InferRequest) -> bool:
         return self.queue.remove(request)

@@ -19,6 +19,8 @@ class KVBlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free: deque[int] = deque(range(num_blocks))
+        # Reference counts are kept for prefix caching (a separate issue): shared prompt blocks will be
+        # held by several sequences. Today every allocated block has exactly one reference.
         self._refs = [0] * num_blocks
 
     @property

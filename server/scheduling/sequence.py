@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+DEFAULT_MAX_TOKENS = 256  # tokens generated when neither the request nor the model's config says
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -15,7 +18,7 @@ class SeqStatus(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
@@ -48,7 +51,6 @@ class Sequence:
     preemptions: int = 0
     admitted: int = 0  # admission order among running sequences; later admitted is preempted first
     cancelled: bool = False
-    first_scheduled_ns: int | None = None
     handle: Any = None  # the engine's per-request channel; opaque to the scheduler
 
     @property

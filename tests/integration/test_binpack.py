@@ -22,6 +22,7 @@ WINDOW = "dynamic_batching: {max_queue_delay_microseconds: 60000000}\n"
 MODELS = {
     "solo": "",  # no dynamic_batching: every request runs alone, the reference
     "padded": WINDOW,
+    "zero": WINDOW,  # as "padded", kept apart so its batch counts are its own
     "binpacked": WINDOW + "binpack_batching: {bucket_boundaries: [8], max_batch_cost: 64}\n",
 }
 # rounds of (rows, length) requests, 4 rows each (max_batch_size), lengths deliberately mixed
@@ -123,3 +124,17 @@ def test_binpack_batches_one_cost_bucket_within_the_budget(server):
     assert server.metric("ferry_bucket_queue_depth", bucket="1", **model) == 0
     padded = (4 * 8 - (2 + 5 + 8 + 3)) + (2 * 31 - (31 + 2))
     assert server.metric("ferry_padding_elements", **model) == padded
+
+
+def test_a_zero_length_request_batched_with_others_is_answered_and_so_are_they(server):
+    """A [1, 0] part used to break the byte copy of the whole batch (INTERNAL for every member)."""
+    xs = [tokens(1, 0, seed=1), tokens(1, 5, seed=2), tokens(1, 3, seed=3), tokens(1, 0, seed=4)]
+    got = run_round(server, "zero", xs)  # 4 rows: one full batch
+    for x, answer in zip(xs, got):
+        alone = kserve.infer(server.channel, "solo", {"X": x})
+        for name in alone:
+            np.testing.assert_array_equal(answer[name], alone[name], err_msg=name)
+        np.testing.assert_array_equal(answer["SUM"], x.sum(axis=1))
+        assert answer["Y"].shape == x.shape
+    s = stats(server, "zero")
+    assert s.inference_count == 4 and s.execution_count == 1  # they really shared one batch

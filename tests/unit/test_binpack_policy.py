@@ -11,7 +11,7 @@ import pytest
 from protos import model_config_pb2 as mc
 from server.errors import ConfigError
 from server.repository import config as config_io
-from server.repository.loader import build_scheduler
+from server.runners.factory import build_scheduler
 from server.request import InferRequest
 from server.scheduling.binpack import BinPackBatcher, BinPackSettings, CostBuckets, fit_boundaries
 from server.scheduling.dynamic import BatchingSettings
@@ -101,12 +101,12 @@ def test_learned_boundaries_follow_a_shifted_distribution():
 
 def test_boundaries_are_learned_when_the_config_gives_none():
     b = binpack(num_buckets=2, learning_window=64)
-    assert b.buckets() == [(math.inf, 0)]  # nothing seen yet: one bucket
+    assert b.gauges().buckets == [(math.inf, 0)]  # nothing seen yet: one bucket
     for i in range(64):
         b.submit(req(512 if i % 10 == 0 else 16), 0)
     assert b.costs.boundaries == (16,)
-    assert b.buckets()[0][0] == 16 and b.buckets()[1][0] == math.inf
-    assert sum(depth for _, depth in b.buckets()) == 64
+    assert b.gauges().buckets[0][0] == 16 and b.gauges().buckets[1][0] == math.inf
+    assert sum(depth for _, depth in b.gauges().buckets) == 64
 
 
 def test_bucket_whose_head_is_due_first_runs_first():

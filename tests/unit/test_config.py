@@ -7,7 +7,8 @@ import pytest
 from protos import model_config_pb2 as mc
 from server.errors import ConfigError
 from server.repository import config as config_io
-from server.repository.loader import build_scheduler, select_versions
+from server.repository.loader import select_versions
+from server.runners.factory import build_scheduler
 
 YAML = """
 max_batch_size: 8

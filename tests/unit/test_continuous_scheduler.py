@@ -113,8 +113,7 @@ def test_preemption_step_admits_nothing_new():
     s.submit(late)
     run_until_preemption(s)
     assert late.status is SeqStatus.WAITING  # not in the step that preempted
-    step(s)
-    assert late.status is SeqStatus.RUNNING  # but in the next one
+    assert late in [q for q, _ in step(s).entries]  # but in the next one
 
 
 def test_finish_and_cancel_return_every_block():
@@ -174,3 +173,34 @@ def test_a_request_needing_the_whole_pool_is_admitted_once_nothing_runs():
     s.submit(small)
     plan = step(s)
     assert [q for q, _ in plan.entries] == [big]  # the margin does not apply to an empty batch
+
+
+@pytest.mark.parametrize("token, sampling, reason", [
+    (1, SamplingParams(max_tokens=8), "eos"),
+    (7, SamplingParams(max_tokens=8, stop_token_ids=(7,)), "stop"),
+    (7, SamplingParams(max_tokens=2), "length"),
+    (1, SamplingParams(max_tokens=2, ignore_eos=True), "length"),
+])
+def test_postprocess_finishes_on_tokens_and_frees_blocks(token, sampling, reason):
+    settings = ContinuousSettings(8, 32, 256, 100, 0, eos_token_ids=frozenset({1}))
+    s = ContinuousScheduler(settings, KVBlockPool(64, 4))
+    q = Sequence(next(_ids), [5, 6, 7], 3, sampling)
+    s.submit(q)
+    finished = []
+    for _ in range(3):
+        plan = s.schedule()
+        finished += s.postprocess(plan, {q.seq_id: token})
+        s.pool.check()
+    assert finished == [q] and q.finish_reason == reason and q.status is SeqStatus.FINISHED
+    assert q not in s.running and s.pool.num_free == 64  # its blocks are back
+
+
+def test_postprocess_finishes_at_max_model_len():
+    s = scheduler(max_len=5)
+    q = seq(3, max_tokens=100)
+    s.submit(q)
+    finished = []
+    while not finished:
+        plan = s.schedule()
+        finished = s.postprocess(plan, {q.seq_id: 7})
+    assert q.num_tokens == 5 and q.finish_reason == "length" and s.pool.num_used == 0

@@ -6,8 +6,8 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="tokenizers is a server dependency")
 
-from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings, TextTokenizer  # noqa: E402
-from tests.llm_builders import build_tokenizer  # noqa: E402
+from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings, TextTokenizer
+from tests.llm_builders import build_tokenizer
 
 
 @pytest.fixture(scope="module")

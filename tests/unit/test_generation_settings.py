@@ -5,15 +5,25 @@ from __future__ import annotations
 import pytest
 
 from protos import model_config_pb2 as mc
-from server.backends.llm.engine import GenerationSettings
+from server.backends.llm.engine import EngineSettings
 from server.errors import ConfigError
+from server.runners.settings import generation_settings
+from server.scheduling.sequence import DEFAULT_MAX_TOKENS
 
 
 def test_defaults_fill_what_the_config_leaves_out():
     g = mc.ModelGeneration(block_size=8, max_num_seqs=4)
-    settings = GenerationSettings.from_config(g, "cfg")
-    assert (settings.block_size, settings.max_num_seqs, settings.max_num_batched_tokens) == (8, 4, 2048)
-    assert settings.gpu_memory_utilization == pytest.approx(0.9) and settings.kv_cache_memory_mb == 0
+    engine = EngineSettings.from_config(g, "cfg")
+    scheduling = generation_settings(g, max_model_len=128, num_kv_blocks=50).continuous
+    assert (engine.block_size, scheduling.max_num_seqs, scheduling.max_num_batched_tokens) == (8, 4, 2048)
+    assert engine.gpu_memory_utilization == pytest.approx(0.9) and engine.kv_cache_memory_mb == 0
+
+
+def test_max_tokens_has_one_default_and_the_admission_margin_is_a_share_of_the_pool():
+    assert generation_settings(mc.ModelGeneration(), 128, 50).default_max_tokens == DEFAULT_MAX_TOKENS
+    assert generation_settings(mc.ModelGeneration(default_max_tokens=7), 128, 50).default_max_tokens == 7
+    assert generation_settings(mc.ModelGeneration(), 128, 50).continuous.admit_margin_blocks == 1
+    assert generation_settings(mc.ModelGeneration(), 128, 1000).continuous.admit_margin_blocks == 10
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -23,4 +33,4 @@ def test_defaults_fill_what_the_config_leaves_out():
 def test_bad_values_are_refused_naming_the_field(field, value, words):
     g = mc.ModelGeneration(**{field: value})
     with pytest.raises(ConfigError, match=words):
-        GenerationSettings.from_config(g, "cfg")
+        EngineSettings.from_config(g, "cfg")

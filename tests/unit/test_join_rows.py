@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from server.request import join_rows
+from server.assembly import copy_rows, join_rows
 
 RNG = np.random.default_rng(0)
 
@@ -58,3 +58,14 @@ def test_the_copy_keeps_the_gil():
         sys.setswitchinterval(interval)
     assert during == 0
     assert np.array_equal(joined, np.concatenate(parts))
+
+
+def test_zero_size_parts_are_joined_and_padded_without_a_byte_cast():
+    """memoryview(...).cast refuses a shape with a zero; such parts have nothing to copy."""
+    empty = [np.ones((1, 0), np.float32), np.ones((2, 0), np.float32)]
+    assert join_rows(empty).shape == (3, 0)
+    parts = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones((0, 3), np.float32), np.ones((1, 3), np.float32)]
+    np.testing.assert_array_equal(join_rows(parts), np.concatenate(parts))
+    out = np.full((3, 4), -1, np.float32)
+    copy_rows(out, [np.ones((1, 0), np.float32), np.full((1, 4), 2, np.float32), np.full((1, 2), 3, np.float32)])
+    assert out.tolist() == [[-1] * 4, [2] * 4, [3, 3, -1, -1]]

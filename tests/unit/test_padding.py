@@ -7,8 +7,9 @@ import pytest
 
 from protos import model_config_pb2 as mc
 from server.errors import BackendError, ConfigError, InvalidInputError
+from server.assembly import PaddedAssembler
 from server.padding import Padding
-from server.request import InferRequest
+from server.request import Batch, InferRequest
 from server.signature import Signature
 
 
@@ -33,7 +34,7 @@ def request(rows: int, length: int, start: float = 1) -> InferRequest:
 def test_gather_pads_to_the_longest_and_fills_lengths_and_mask():
     padding = Padding.from_config(config())
     short, long = request(2, 1), request(1, 3, start=100)
-    inputs, count = padding.gather([short, long])
+    inputs, count = PaddedAssembler(padding).gather(Batch([short, long], True))
     assert inputs["x"].shape == (3, 3, 2) and inputs["ids"].shape == (3, 3)
     np.testing.assert_array_equal(inputs["x"][:2, :1], short.inputs["x"])
     assert (inputs["x"][:2, 1:] == -1).all()  # padding_value
@@ -47,7 +48,7 @@ def test_gather_pads_to_the_longest_and_fills_lengths_and_mask():
 def test_equal_lengths_are_joined_without_padding():
     padding = Padding.from_config(config())
     a, b = request(1, 2), request(1, 2, start=50)
-    inputs, count = padding.gather([a, b])
+    inputs, count = PaddedAssembler(padding).gather(Batch([a, b], True))
     np.testing.assert_array_equal(inputs["x"], np.concatenate([a.inputs["x"], b.inputs["x"]]))
     assert (count.padded, count.computed) == (0, 4)
 
@@ -56,11 +57,11 @@ def test_trim_slices_variable_outputs_back_to_each_length():
     padding = Padding.from_config(config())
     requests = [request(1, 1), request(1, 3)]
     y = np.arange(12, dtype=np.float32).reshape(2, 3, 2)
-    split = padding.trim(requests, [{"y": y[:1], "pooled": np.ones((1, 2))}, {"y": y[1:], "pooled": np.ones((1, 2))}])
+    split = PaddedAssembler(padding).split(Batch(requests, True), {"y": y, "pooled": np.ones((2, 2))})
     assert split[0]["y"].shape == (1, 1, 2) and split[1]["y"].shape == (1, 3, 2)
     assert split[0]["pooled"].shape == (1, 2)
     with pytest.raises(BackendError, match="padded length 3"):
-        padding.trim(requests, [{"y": y[:1, :2]}, {"y": y[1:, :2]}])
+        PaddedAssembler(padding).split(Batch(requests, True), {"y": y[:, :2]})
 
 
 def test_signature_joins_lengths_and_hides_filled_inputs():
@@ -109,7 +110,7 @@ def test_a_length_that_is_not_the_first_dim_is_padded_too():
     padding = Padding.from_config(c)
     short = InferRequest("m", {"x": np.arange(4, dtype=np.float32).reshape(2, 2, 1)}, 2, (), length=1)
     long = InferRequest("m", {"x": np.arange(10, 16, dtype=np.float32).reshape(1, 2, 3)}, 1, (), length=3)
-    inputs, count = padding.gather([short, long])
+    inputs, count = PaddedAssembler(padding).gather(Batch([short, long], True))
     assert inputs["x"].shape == (3, 2, 3)
     np.testing.assert_array_equal(inputs["x"][:2, :, :1], short.inputs["x"])
     assert (inputs["x"][:2, :, 1:] == -1).all()

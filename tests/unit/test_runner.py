@@ -9,11 +9,12 @@ import time
 import numpy as np
 
 from protos import model_config_pb2 as mc
+from server.assembly import Assembler
 from server.backends.base import Backend, Device
 from server.errors import BackendError, ModelUnavailableError
 from server.metrics import ModelStats
-from server.request import Batch, InferRequest
-from server.runner import ModelRunner
+from server.request import InferRequest
+from server.runners.batch import ModelRunner
 from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
 from server.scheduling.queue import QueuePolicy, RequestQueue
 from server.signature import Signature
@@ -164,13 +165,13 @@ def test_a_batch_that_cannot_be_assembled_fails_alone():
 def test_batches_are_assembled_on_the_event_loop(monkeypatch):
     """The loop holds the GIL already; on the instance's thread the copy waited for it (worker.start)."""
     threads = []
-    gather = Batch.gather_inputs
+    gather = Assembler.gather
 
-    def recording(batch):
+    def recording(assembler, batch):
         threads.append(threading.get_ident())
-        return gather(batch)
+        return gather(assembler, batch)
 
-    monkeypatch.setattr(Batch, "gather_inputs", recording)
+    monkeypatch.setattr(Assembler, "gather", recording)
 
     HeldEcho.reset()
 

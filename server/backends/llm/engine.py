@@ -28,24 +28,22 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @dataclass(frozen=True, slots=True)
-class GenerationSettings:
+class EngineSettings:
+    """The engine's own part of the `generation` section: KV cache layout and sizing, dtype, length.
+    (The scheduler's part is read by runners/settings.py.)"""
+
     block_size: int = 16
     num_kv_blocks: int = 0
     kv_cache_memory_mb: int = 0  # 0: 256 MB on the CPU; on CUDA what gpu_memory_utilization leaves
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
     max_model_len: int = 0
     dtype: str = "auto"
-    max_waiting: int = 1024
-    default_max_tokens: int = 256
     gpu_memory_utilization: float = 0.9
 
     @classmethod
-    def from_config(cls, g: mc.ModelGeneration, source: str) -> GenerationSettings:
+    def from_config(cls, g: mc.ModelGeneration, source: str) -> EngineSettings:
         defaults = cls()
         values = {f: getattr(g, f) or getattr(defaults, f) for f in (
-            "block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens",
-            "max_model_len", "dtype", "max_waiting", "default_max_tokens", "gpu_memory_utilization")}
+            "block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_model_len", "dtype", "gpu_memory_utilization")}
         if values["dtype"] not in ("auto", *_DTYPES):
             raise ConfigError(f"{source}: field 'generation.dtype' is {values['dtype']!r}; use auto, {', '.join(_DTYPES)}")
         if not 0 < values["gpu_memory_utilization"] <= 1:
@@ -81,7 +79,7 @@ class LLMBackend(Backend):
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
         super().__init__(config, model_path, device)
         self.folder = model_path.parent
-        self.settings = GenerationSettings.from_config(config.generation, str(self.folder))
+        self.settings = EngineSettings.from_config(config.generation, str(self.folder))
 
     def load(self) -> None:
         self.args = LlamaArgs.load(self.folder)
@@ -144,7 +142,8 @@ class LLMBackend(Backend):
         return ids
 
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        raise InvalidInputError("generation models are served by ferry.generate.v1.Generation/Generate")
+        """Never called: the factory gives a generation model a GenerationRunner, which calls `step`."""
+        raise NotImplementedError("generation models run step by step")
 
     def step(self, plan: StepPlan) -> dict[int, int]:
         """Run one forward pass over every planned token; return {seq_id: sampled token} for sequences

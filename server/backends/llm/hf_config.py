@@ -25,7 +25,6 @@ class LlamaArgs:
     rope_theta: float
     rope_scaling: dict | None
     max_position: int
-    tie_embeddings: bool
     attention_bias: bool  # Qwen2: q/k/v projections carry a bias
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
@@ -55,7 +54,6 @@ class LlamaArgs:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=rope if rope and rope.get("rope_type", rope.get("type")) not in (None, "default") else None,
             max_position=raw.get("max_position_embeddings", 2048),
-            tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", kind == "qwen2")),
             sliding_window=window, eos_token_ids=eos,
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),

@@ -1,8 +1,9 @@
-"""Drives one generation model: scheduler plan -> model step in a thread -> tokens streamed to callers.
+"""The generation runner: decode a request once, then scheduler plan -> model step in a thread -> tokens streamed.
 
 The event loop owns the scheduler; the step thread only runs the model. While a step runs, new
 requests queue and cancelled ones are marked; both take effect at the next step, so a request joins
-the running batch within one step of arriving.
+the running batch within one step of arriving. Token-level finishes (eos, stop ids, length) come
+back from the scheduler's postprocess; the runner adds only text-level stop strings.
 """
 
 from __future__ import annotations
@@ -13,18 +14,44 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from server.backends.llm.engine import LLMBackend
 from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings
-from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError
+from server.errors import BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError
 from server.generation_metrics import GenerationStats
 from server.metrics import ModelStats
-from server.runner import drain
+from server.runners.base import GENERATE, RunnerBase
+from server.runners.sampling import sampling_params
 from server.scheduling.continuous import ContinuousScheduler
-from server.scheduling.sequence import SamplingParams, Sequence
+from server.scheduling.sequence import SamplingParams, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class GenerationInput:
+    """One generation request as a front door read it, nothing checked yet: the decoder's only input."""
+
+    arrival_ns: int
+    text: str | bytes | None = None  # the prompt as text (bytes: UTF-8) ...
+    token_ids: list[int] | None = None  # ... or as token ids
+    sampling: dict[str, Any] = field(default_factory=dict)  # raw values; see runners/sampling.py
+    priority: int = 0
+    timeout_us: int = 0  # the request's own timeout (0: none)
+    rpc_deadline_ns: int | None = None  # the call's (or stream's) gRPC deadline, monotonic
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A decoded, checked generation request: what `generate` runs."""
+
+    prompt_ids: list[int]
+    prompt_text: str
+    sampling: SamplingParams
+    priority: int
+    deadline_ns: int | None
+    arrival_ns: int
 
 
 @dataclass(slots=True)
@@ -50,49 +77,52 @@ class _Stream:
     scheduled_ns: int | None = None
     first_token_ns: int | None = None
     last_token_ns: int | None = None
-    done: bool = field(default=False)
+    done: bool = False
 
 
-class GenerationRunner:
+class GenerationRunner(RunnerBase):
+    serves = GENERATE
+
     def __init__(self, name: str, version: int, backend: LLMBackend, scheduler: ContinuousScheduler,
-                 stats: ModelStats, gen_stats: GenerationStats):
-        self.name, self.version = name, version
+                 stats: ModelStats, gen_stats: GenerationStats, default_max_tokens: int):
+        super().__init__(name, version, stats)
         self.backend = backend
         self.scheduler = scheduler
-        self.stats = stats
         self.gen_stats = gen_stats
+        self.default_max_tokens = default_max_tokens
         self._ids = itertools.count()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-{version}-llm")
-        self._wake = asyncio.Event()
-        self._accepting = True
-        self._task: asyncio.Task | None = None
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"generate-{self.name}-{self.version}")
-        self._task.add_done_callback(self._loop_ended)
+    def decode(self, given: GenerationInput) -> GenerationRequest:
+        """The one generation decoder, for every entrance: prompt, sampling, priority, deadline."""
+        text = given.text
+        if isinstance(text, bytes):
+            try:
+                text = text.decode()
+            except UnicodeDecodeError as exc:
+                raise InvalidInputError(f"the prompt is not valid UTF-8: {exc}") from None
+        sampling = sampling_params(given.sampling, self.default_max_tokens)
+        for name, value in (("priority", given.priority), ("timeout", given.timeout_us)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {value!r}")
+        prompt = self.backend.encode_prompt(text if given.token_ids is None else None, given.token_ids)
+        own = given.arrival_ns + given.timeout_us * 1000 if given.timeout_us else None
+        deadline = min((d for d in (own, given.rpc_deadline_ns) if d is not None), default=None)
+        return GenerationRequest(prompt, text or "", sampling, given.priority, deadline, given.arrival_ns)
 
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        """However the loop ended (drained, cut off after the grace period, crashed), answer everyone left."""
-        self._accepting = False
-        if not task.cancelled() and task.exception() is not None:
-            log.error("model '%s': generation loop failed", self.name, exc_info=task.exception())
-        for seq in self.scheduler.running + self.scheduler.waiting():
-            if not seq.handle.done:
-                self._fail(seq, ModelUnavailableError(f"model '{self.name}' stopped before this request finished"))
-
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams, priority: int,
-                       deadline_ns: int | None, arrival_ns: int) -> AsyncIterator[GenerationEvent]:
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream events for one request; leaving the iteration early (client gone) cancels it."""
-        if not self._accepting:
-            raise ModelUnavailableError(f"model '{self.name}' has stopped accepting requests")
-        seq = Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), sampling, priority=priority or 1,
-                       arrival_ns=arrival_ns, deadline_ns=deadline_ns)
-        stream = _Stream(asyncio.Queue(), IncrementalDetokenizer(self.backend.tokenizer, prompt_ids), StopStrings(sampling.stop))
+        self._admit_check()
+        prompt_ids = request.prompt_ids
+        seq = Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), request.sampling,
+                       priority=request.priority or 1, arrival_ns=request.arrival_ns, deadline_ns=request.deadline_ns)
+        stream = _Stream(asyncio.Queue(), IncrementalDetokenizer(self.backend.tokenizer, prompt_ids),
+                         StopStrings(request.sampling.stop))
         seq.handle = stream
         try:
             self.scheduler.submit(seq)
         except FerryError:
-            self.stats.record_done(time.monotonic_ns() - arrival_ns, ok=False, reason="REJECTED")
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="REJECTED")
             raise
         self._wake.set()
         try:
@@ -108,6 +138,11 @@ class GenerationRunner:
                 seq.cancelled = True
                 self._wake.set()
 
+    def _abandon_all(self, error: ModelUnavailableError) -> None:
+        for seq in self.scheduler.running + self.scheduler.waiting():
+            if not seq.handle.done:
+                self._fail(seq, error)
+
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while self._accepting or self.scheduler.running or self.scheduler.num_waiting:
@@ -118,14 +153,10 @@ class GenerationRunner:
             if not plan:
                 await self._idle(now)
                 continue
-            for seq, _ in plan.entries:
-                if seq.handle.scheduled_ns is None:
-                    seq.handle.scheduled_ns = now
-                    self.stats.record_queued(now - seq.arrival_ns)
-                    self.gen_stats.observe("queue_us", now - seq.arrival_ns)
+            self._mark_scheduled(plan, now)
             try:
                 sampled = await loop.run_in_executor(self._thread, self.backend.step, plan)
-            except Exception as exc:  # noqa: BLE001 - a failed step fails the sequences in it, not the server
+            except Exception as exc:  # a failed step fails the sequences in it, not the server
                 log.exception("model '%s': step failed", self.name)
                 for seq, _ in plan.entries:
                     self.scheduler.finish(seq, "error")
@@ -138,6 +169,13 @@ class GenerationRunner:
                 token = sampled.get(seq.seq_id)
                 if token is not None and not seq.cancelled:
                     self._emit(seq, token, done)
+
+    def _mark_scheduled(self, plan, now: int) -> None:
+        for seq, _ in plan.entries:
+            if seq.handle.scheduled_ns is None:
+                seq.handle.scheduled_ns = now
+                self.stats.record_queued(now - seq.arrival_ns)
+                self.gen_stats.observe("queue_us", now - seq.arrival_ns)
 
     def _retire(self, now: int) -> None:
         """Drop cancelled sequences, expire waiting ones, stop running ones past their deadline."""
@@ -163,29 +201,25 @@ class GenerationRunner:
             timer.cancel()
 
     def _emit(self, seq: Sequence, token: int, now: int) -> None:
-        stream, params = seq.handle, seq.sampling
+        """Turn one sampled token into text; the scheduler already finished `seq` if the token ends it."""
+        stream = seq.handle
         if stream.first_token_ns is None:
             stream.first_token_ns = now
             self.gen_stats.observe("ttft_us", now - seq.arrival_ns)
         else:
             self.gen_stats.observe("itl_us", now - stream.last_token_ns)
         stream.last_token_ns = now
-        finish, stopped = None, False
-        if token in self.backend.eos_token_ids and not params.ignore_eos:
-            finish, text = "eos", ""
-        else:
-            text, stopped = stream.stops.feed(stream.detokenizer.add(token))
-            if stopped or token in params.stop_token_ids:
-                finish = "stop"
-        if finish is None and (seq.num_output >= params.max_tokens or seq.num_tokens >= self.backend.max_model_len):
-            finish = "length"
+        finish = seq.finish_reason if seq.status is SeqStatus.FINISHED else None
+        text, stopped = ("", False) if finish == "eos" else stream.stops.feed(stream.detokenizer.add(token))
+        if stopped:  # a stop string: text-level, so the runner's to decide
+            finish = "stop"
+            self.scheduler.finish(seq, finish)
         if finish is None:
             stream.events.put_nowait(GenerationEvent([token], text))
             return
         if not stopped:  # release held text: an unfinished character, a possible stop-string start
             tail, stopped = stream.stops.feed(stream.detokenizer.flush())
             text += tail + ("" if stopped else stream.stops.flush())
-        self.scheduler.finish(seq, finish)
         self._final(seq, finish, text, [token], now)
 
     def _final(self, seq: Sequence, reason: str, text: str, tokens: list[int], now: int) -> None:
@@ -208,11 +242,8 @@ class GenerationRunner:
     def _publish(self) -> None:
         s, pool = self.scheduler, self.scheduler.pool
         self.gen_stats.set_state(len(s.running), s.num_waiting, pool.num_used, pool.num_blocks, s.fragmentation(), s.preemptions)
-        self.stats.set_queue(s.num_waiting, 0)
+        self.stats.set_gauges(s.gauges())
 
-    async def close(self, grace_s: float) -> None:
-        self._accepting = False
-        self._wake.set()
-        await drain(self._task, grace_s)
+    async def _shutdown(self) -> None:
         self._thread.shutdown(wait=True)
         self.backend.unload()

@@ -1,4 +1,4 @@
-"""Feeds one model version's instances from its scheduler, on the event loop.
+"""The batching runner: feeds one model version's instances from its scheduler, on the event loop.
 
 The loop wakes on a finished batch, on the scheduler's next timer (a batching window closing, a
 deadline passing), and on a new request only when that can change something now: an instance is
@@ -16,8 +16,9 @@ import numpy as np
 
 from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
 from server.metrics import ModelStats
-from server.ordering import ResponseOrder
 from server.request import Batch, InferRequest
+from server.runners.base import INFER, RunnerBase
+from server.runners.ordering import ResponseOrder
 from server.scheduling.base import Scheduler
 from server.worker import BatchResult, Worker
 
@@ -25,39 +26,28 @@ log = logging.getLogger(__name__)
 _FAR_FUTURE_NS = 10**18
 
 
-class ModelRunner:
+class ModelRunner(RunnerBase):
+    serves = INFER
+
     def __init__(self, name: str, version: int, scheduler: Scheduler, workers: list[Worker], stats: ModelStats,
                  preserve_ordering: bool = False):
-        self.name, self.version = name, version
+        super().__init__(name, version, stats)
         self.scheduler = scheduler
         self.workers = workers
-        self.stats = stats
         self._order = ResponseOrder() if preserve_ordering else None
         self._idle = list(workers)
         self._running: set[asyncio.Task] = set()
-        self._wake = asyncio.Event()
-        self._accepting = True
-        self._task: asyncio.Task | None = None
         self._admitted: set[InferRequest] = set()  # queued or running, not yet answered
         self._timer_ns: int | None = None  # when the loop wakes by itself next (None: only when told)
         self._cut_off = False  # the drain grace ran out: dispatch nothing more
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"runner-{self.name}-{self.version}")
-        self._task.add_done_callback(self._loop_ended)
-
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        """However the loop ended (drained, cut off after the grace period, crashed), answer everyone left."""
-        self._accepting = False
-        if not task.cancelled() and task.exception() is not None:
-            log.error("model '%s': batching loop failed", self.name, exc_info=task.exception())
+    def _abandon_all(self, error: ModelUnavailableError) -> None:
         for request in list(self._admitted):
-            _abandon(request, ModelUnavailableError(f"model '{self.name}' version {self.version} stopped before this request ran"))
+            _abandon(request, error)
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Queue a request and wait for its outputs; a cancelled caller leaves the queue."""
-        if not self._accepting:
-            raise ModelUnavailableError(f"model '{self.name}' version {self.version} has stopped accepting requests")
+        self._admit_check()
         request.future = asyncio.get_running_loop().create_future()
         try:
             self.scheduler.submit(request, time.monotonic_ns())
@@ -70,7 +60,7 @@ class ModelRunner:
         if self._idle or _sooner(request.deadline_ns, self._timer_ns):
             self._wake.set()
         else:  # every instance is busy and no earlier timer is needed: the next release cuts the batch
-            self.stats.pending = len(self.scheduler)
+            self.stats.set_gauges(self.scheduler.gauges())
         try:
             outputs = await request.future
         except asyncio.CancelledError:
@@ -93,7 +83,7 @@ class ModelRunner:
         while self._accepting or len(self.scheduler) or len(self._idle) < len(self.workers):
             now = time.monotonic_ns()
             self._feed(now)
-            self.stats.set_queue(len(self.scheduler), self.scheduler.window_ns(), self.scheduler.buckets())
+            self.stats.set_gauges(self.scheduler.gauges())
             self._wake.clear()
             wake_ns = self._timer_ns = self.scheduler.next_event_ns(now)
             timer = None
@@ -137,7 +127,7 @@ class ModelRunner:
         result, error = None, None
         try:
             result = await running
-        except Exception as exc:  # noqa: BLE001 - whatever went wrong fails this batch only
+        except Exception as exc:  # whatever went wrong fails this batch only
             if not isinstance(exc, FerryError):
                 log.exception("model '%s': unexpected error running a batch", self.name)
                 exc = BackendError(f"model '{self.name}': {type(exc).__name__}: {exc}")
@@ -147,7 +137,7 @@ class ModelRunner:
             done = time.monotonic_ns()
             try:
                 self.scheduler.complete(batch, None if result is None else done - started, done)
-            except Exception:  # noqa: BLE001 - the instance and the answers must not be lost with it
+            except Exception:  # the instance and the answers must not be lost with it
                 log.exception("model '%s': the scheduler failed to take back a batch", self.name)
             self._release(worker, done)
         if error is not None:
@@ -170,7 +160,7 @@ class ModelRunner:
             return  # stopping: a batch started now would only delay the shutdown
         try:
             self._feed(now)
-        except Exception:  # noqa: BLE001 - the loop feeds again on its wake (and fails loudly if it must)
+        except Exception:  # the loop feeds again on its wake (and fails loudly if it must)
             log.exception("model '%s': refilling a freed instance failed", self.name)
 
     def _fail(self, request: InferRequest, error: FerryError) -> None:
@@ -182,24 +172,10 @@ class ModelRunner:
         else:
             self._order.finish(request, settle)
 
-    async def close(self, grace_s: float) -> None:
-        """Stop admitting, let queued and running batches finish within the grace period, release workers."""
-        self._accepting = False
-        self._wake.set()
-        await drain(self._task, grace_s)
+    async def _shutdown(self) -> None:
         self._cut_off = True  # set before anything else runs: the loop may only be cancelling yet
         for worker in self.workers:
             await asyncio.to_thread(worker.close)
-
-
-async def drain(loop_task: asyncio.Task | None, grace_s: float) -> None:
-    """Wait for a runner's loop to finish its admitted work; past the grace period, stop it."""
-    if loop_task is None:
-        return
-    try:
-        await asyncio.wait_for(asyncio.shield(loop_task), grace_s)
-    except TimeoutError:
-        loop_task.cancel()
 
 
 def _sooner(deadline_ns: int | None, timer_ns: int | None) -> bool:

@@ -1,0 +1,75 @@
+"""Triton's vLLM backend conventions on ModelStreamInfer, translated to and from the generation runner.
+
+In: `text_input` (BYTES prompt), optional `stream` (BOOL), `sampling_parameters` (JSON string),
+`exclude_input_in_output` (BOOL), `max_tokens` (INT32, wins over the JSON); without the JSON, the
+request's own parameters named like sampling parameters are used. Out: `text_output` per response,
+with `finish_reason` on the last. Checking what they mean is the runner's decoder's job; this module
+only reads tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from protos import grpc_service_pb2 as pb
+from server.errors import InvalidInputError
+from server.rpc import codec
+from server.runners.generation import GenerationInput
+from server.runners.sampling import KEYS as SAMPLING_KEYS
+
+
+@dataclass(frozen=True, slots=True)
+class VllmRequest:
+    given: GenerationInput
+    streaming: bool  # one response per token (True) or one at the end
+    exclude_input: bool  # leave the prompt out of the answer's text
+
+
+def read_request(request: pb.ModelInferRequest, arrival_ns: int, rpc_deadline_ns: int | None) -> VllmRequest:
+    inputs = codec.decode_inputs(request)
+    text = _scalar(inputs, "text_input")
+    if text is None:
+        raise InvalidInputError(f"generation model '{request.model_name}' needs a BYTES input 'text_input' with the prompt")
+    streaming = bool(_scalar(inputs, "stream", False))
+    exclude = _scalar(inputs, "exclude_input_in_output", None)
+    exclude = streaming if exclude is None else bool(exclude)  # Triton's vLLM backend: non-streamed answers include the prompt
+    if streaming and not exclude:
+        raise InvalidInputError("exclude_input_in_output=false cannot be used with stream=true")
+    params = codec.decode_parameters(request.parameters)
+    given = GenerationInput(
+        arrival_ns, text=text if isinstance(text, bytes) else str(text), sampling=_sampling(inputs, params),
+        priority=params.get("priority") or 0, timeout_us=params.get("timeout") or 0, rpc_deadline_ns=rpc_deadline_ns)
+    return VllmRequest(given, streaming, exclude)
+
+
+def text_response(request: pb.ModelInferRequest, version: int, text: str, reason: str | None) -> pb.ModelInferResponse:
+    response = codec.encode_response(request, version, {"text_output": np.array([text.encode()], dtype=object)},
+                                     ("text_output",))
+    if reason:
+        response.parameters["finish_reason"].string_param = reason
+    return response
+
+
+def _scalar(inputs: dict[str, np.ndarray], name: str, default=None):
+    value = inputs.get(name)
+    return default if value is None or value.size == 0 else value.reshape(-1)[0]
+
+
+def _sampling(inputs: dict[str, np.ndarray], params: dict) -> dict[str, Any]:
+    raw = _scalar(inputs, "sampling_parameters")
+    if raw is None:
+        given = {k: v for k, v in params.items() if k in SAMPLING_KEYS}
+    else:
+        try:
+            given = json.loads(raw)
+        except (ValueError, TypeError) as exc:
+            raise InvalidInputError(f"sampling_parameters is not valid JSON: {exc}") from None
+        if not isinstance(given, dict):
+            raise InvalidInputError(f"sampling_parameters must be a JSON object, got {type(given).__name__}")
+    if "max_tokens" in inputs:
+        given["max_tokens"] = int(_scalar(inputs, "max_tokens", 0))
+    return given

@@ -1,0 +1,88 @@
+"""The seam every served model version lives behind: the `Runner` protocol and its shared lifecycle.
+
+The registry and the front doors hold runners only through `Runner`: they start it, close it with a
+grace period, read its stats, and ask what it serves (INFER: one answer per request, GENERATE: a
+stream of tokens). A new model kind is a new runner built by factory.py; nothing above changes.
+`RunnerBase` holds what every runner shares: the loop task, admission on/off, drain within a grace
+period, and answering everyone left when the loop ends however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Protocol
+
+from server.errors import ModelUnavailableError
+from server.metrics import ModelStats
+
+log = logging.getLogger(__name__)
+
+INFER, GENERATE = "infer", "generate"
+
+
+class Runner(Protocol):
+    name: str
+    version: int
+    stats: ModelStats
+    serves: str  # INFER or GENERATE: which front-door calls it answers
+
+    def start(self) -> None:
+        """Start serving, on the running event loop."""
+
+    async def close(self, grace_s: float) -> None:
+        """Stop admitting; finish admitted work within `grace_s`; answer the rest UNAVAILABLE; release."""
+
+
+class RunnerBase:
+    """Lifecycle shared by runners: subclasses give `_loop`, `_abandon_all` and `_shutdown`."""
+
+    serves = ""
+
+    def __init__(self, name: str, version: int, stats: ModelStats):
+        self.name, self.version = name, version
+        self.stats = stats
+        self._wake = asyncio.Event()
+        self._accepting = True
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"{self.serves}-{self.name}-{self.version}")
+        self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """However the loop ended (drained, cut off after the grace period, crashed), answer everyone left."""
+        self._accepting = False
+        if not task.cancelled() and task.exception() is not None:
+            log.error("model '%s': %s loop failed", self.name, self.serves, exc_info=task.exception())
+        self._abandon_all(ModelUnavailableError(
+            f"model '{self.name}' version {self.version} stopped before this request finished"))
+
+    def _admit_check(self) -> None:
+        if not self._accepting:
+            raise ModelUnavailableError(f"model '{self.name}' version {self.version} has stopped accepting requests")
+
+    async def close(self, grace_s: float) -> None:
+        self._accepting = False
+        self._wake.set()
+        await drain(self._task, grace_s)
+        await self._shutdown()
+
+    async def _loop(self) -> None:
+        raise NotImplementedError
+
+    def _abandon_all(self, error: ModelUnavailableError) -> None:
+        raise NotImplementedError
+
+    async def _shutdown(self) -> None:
+        """After the drain: give back threads, instances and device memory."""
+
+
+async def drain(loop_task: asyncio.Task | None, grace_s: float) -> None:
+    """Wait for a runner's loop to finish its admitted work; past the grace period, stop it."""
+    if loop_task is None:
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(loop_task), grace_s)
+    except TimeoutError:
+        loop_task.cancel()

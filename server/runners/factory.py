@@ -1,0 +1,66 @@
+"""Build the right runner for a loaded model version: the one place a model's kind is decided.
+
+app.py hands a `RunnerFactory` to the registry, which calls it for every version it loads and holds
+what comes back only as a `Runner`. A new model kind is one more branch here and one more runner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from protos import model_config_pb2 as mc
+from server.defaults import MAX_QUEUED_REQUESTS
+from server.errors import ConfigError
+from server.generation_metrics import GenerationFamilies, GenerationStats
+from server.metrics import Histograms, ModelStats
+from server.runners.base import Runner
+from server.runners.batch import ModelRunner
+from server.runners.generation import GenerationRunner
+from server.runners.settings import batching_settings, binpack_settings, generation_settings, request_queue
+from server.scheduling.base import Scheduler
+from server.scheduling.binpack import BinPackBatcher
+from server.scheduling.continuous import ContinuousScheduler
+from server.scheduling.dynamic import DynamicBatcher
+from server.scheduling.kv_blocks import KVBlockPool
+from server.worker import Worker
+
+if TYPE_CHECKING:
+    from server.repository.loader import LoadedVersion
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerFactory:
+    """What every runner shares (metric families, the server-wide queue cap); called once per version."""
+
+    histograms: Histograms | None = None
+    generation_families: GenerationFamilies | None = None
+    max_queued: int = MAX_QUEUED_REQUESTS
+
+    def __call__(self, name: str, entry: LoadedVersion) -> Runner:
+        """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
+        stats = ModelStats(name, entry.version, self.histograms)
+        if entry.config.backend == "llm":
+            gen_stats = GenerationStats(self.generation_families, name, entry.version)
+            return generation_runner(name, entry, stats, gen_stats)
+        workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
+        return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
+                           preserve_ordering=entry.config.dynamic_batching.preserve_ordering)
+
+
+def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUESTS) -> Scheduler:
+    """The model's batching policy: cost buckets when `binpack_batching` is present, else dynamic batching."""
+    settings, queue = batching_settings(config), request_queue(config, max_queued)
+    if config.HasField("binpack_batching"):
+        return BinPackBatcher(settings, binpack_settings(config), queue)
+    return DynamicBatcher(settings, queue)
+
+
+def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats) -> GenerationRunner:
+    if len(entry.backends) != 1:
+        raise ConfigError(f"model '{name}': a generation model runs exactly one instance (instance_group count 1)")
+    backend = entry.backends[0]
+    settings = generation_settings(entry.config.generation, backend.max_model_len, backend.num_kv_blocks,
+                                   frozenset(backend.eos_token_ids))
+    scheduler = ContinuousScheduler(settings.continuous, KVBlockPool(backend.num_kv_blocks, backend.settings.block_size))
+    return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens)

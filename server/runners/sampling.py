@@ -1,0 +1,84 @@
+"""Sampling parameters as a client sent them (any JSON-ish values) -> one checked SamplingParams.
+
+Both generation entrances (Generate and ModelStreamInfer's `sampling_parameters`) come through here,
+so a value that passes is one the sampler can run for any neighbour in the step: a bad value fails
+its own request with INVALID_ARGUMENT before it is scheduled, never the step it would have joined.
+NaN fails every comparison, so each number is checked finite before its range.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from server.errors import InvalidInputError
+from server.scheduling.sequence import SamplingParams
+
+KEYS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos"})
+# Below this a temperature is greedy: logits / 1e-40 overflow to inf and softmax gives NaN, while
+# anything this cold picks the top token anyway (a gap of 1e-3 in logits is e^100 apart).
+GREEDY_BELOW = 1e-5
+_INT_LIMIT = 2**63  # the sampler builds int64 tensors from top_k
+
+
+def sampling_params(given: Mapping[str, Any], default_max_tokens: int) -> SamplingParams:
+    """Check every value's type and range; 0 (or absent) max_tokens, top_k, top_p mean the defaults."""
+    unknown = set(given) - KEYS
+    if unknown:
+        raise InvalidInputError(f"unsupported sampling parameters {sorted(unknown)}; supported: {sorted(KEYS)}")
+    temperature = _number(given, "temperature", 0.0)
+    if temperature < 0:
+        raise InvalidInputError(f"sampling parameter 'temperature' must be >= 0, got {temperature!r}")
+    top_p = _number(given, "top_p", 0.0) or 1.0
+    if not 0 < top_p <= 1:
+        raise InvalidInputError(f"sampling parameter 'top_p' must be within (0, 1], got {top_p!r}")
+    seed = given.get("seed")
+    return SamplingParams(
+        max_tokens=_integer(given, "max_tokens") or default_max_tokens,
+        temperature=0.0 if temperature < GREEDY_BELOW else temperature,
+        top_k=_integer(given, "top_k"), top_p=top_p,
+        seed=None if seed is None else _integer(given, "seed", low=-_INT_LIMIT),
+        stop=_stop_strings(given.get("stop")), stop_token_ids=_token_ids(given.get("stop_token_ids")),
+        ignore_eos=_flag(given, "ignore_eos"),
+    )
+
+
+def _number(given: Mapping[str, Any], key: str, default: float) -> float:
+    value = given.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidInputError(f"sampling parameter '{key}' must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(given: Mapping[str, Any], key: str, low: int = 0) -> int:
+    value = given.get(key) or 0
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < _INT_LIMIT:
+        raise InvalidInputError(f"sampling parameter '{key}' must be an integer within [{low}, 2**63), got {value!r}")
+    return value
+
+
+def _flag(given: Mapping[str, Any], key: str) -> bool:
+    value = given.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"sampling parameter '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    stops = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, (list, tuple)) else None
+    if value is None:
+        return ()
+    if stops is None or not all(isinstance(s, str) for s in stops):
+        raise InvalidInputError(f"sampling parameter 'stop' must be a string or a list of strings, got {value!r}")
+    return stops
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    ids = tuple(value) if isinstance(value, (list, tuple)) else None
+    if ids is None or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _INT_LIMIT for t in ids):
+        raise InvalidInputError(f"sampling parameter 'stop_token_ids' must be a list of token ids (integers >= 0), got {value!r}")
+    return ids

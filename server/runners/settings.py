@@ -1,0 +1,98 @@
+"""ModelConfig -> the settings each policy runs with, in one place; each default is defined once.
+
+The policies in scheduling/ take plain dataclasses and never see protobuf; this module reads the
+config once at load. Defaults live on those dataclasses (or, for max_tokens, in sequence.py) and
+a config's 0 or absent field means "use it". Backend-specific knobs (ONNX Runtime options, the LLM
+engine's KV sizing and dtype) stay with their backend, which reads them when it loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protos import model_config_pb2 as mc
+from server.repository.config import field_error
+from server.scheduling.binpack import BinPackSettings
+from server.scheduling.continuous import ContinuousSettings
+from server.scheduling.dynamic import BatchingSettings
+from server.scheduling.queue import DELAY, REJECT, QueuePolicy, RequestQueue
+from server.scheduling.sequence import DEFAULT_MAX_TOKENS
+
+# Admission keeps one KV block in this many free while sequences run (at least one), so a sequence
+# resumed after a preemption is not evicted again at once.
+ADMIT_MARGIN_PER_BLOCKS = 100
+
+
+def batching_settings(config: mc.ModelConfig) -> BatchingSettings:
+    db = config.dynamic_batching
+    return BatchingSettings(
+        max_batch_size=config.max_batch_size,
+        preferred_batch_sizes=tuple(db.preferred_batch_size),
+        max_queue_delay_ns=db.max_queue_delay_microseconds * 1000,
+        join=config.HasField("dynamic_batching"),
+        latency_target_ns=int(db.latency_target_ms * 1_000_000),
+    )
+
+
+def request_queue(config: mc.ModelConfig, max_queued: int) -> RequestQueue:
+    """Priority levels and queue policies, read from `dynamic_batching` for every batching policy."""
+    db = config.dynamic_batching
+    levels = max(int(db.priority_levels), 1)
+
+    def policy(p: mc.ModelQueuePolicy) -> QueuePolicy:
+        action = DELAY if p.timeout_action == mc.ModelQueuePolicy.DELAY else REJECT
+        return QueuePolicy(action, p.default_timeout_microseconds, p.allow_timeout_override, p.max_queue_size)
+
+    default = policy(db.default_queue_policy)
+    policies = [policy(db.priority_queue_policy[i]) if i in db.priority_queue_policy else default for i in range(1, levels + 1)]
+    default_level = int(db.default_priority_level) or 1
+    if default_level > levels:
+        raise field_error(config.name, "dynamic_batching.default_priority_level",
+                          f"{default_level} exceeds priority_levels {levels}")
+    return RequestQueue(policies, default_level, max_queued)
+
+
+def binpack_settings(config: mc.ModelConfig) -> BinPackSettings:
+    bp, defaults = config.binpack_batching, BinPackSettings()
+    bounds = tuple(bp.bucket_boundaries)
+    if config.max_batch_size <= 0:
+        raise field_error(config.name, "binpack_batching", f"needs max_batch_size > 0, got {config.max_batch_size}")
+    if any(b <= 0 for b in bounds) or any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
+        raise field_error(config.name, "binpack_batching.bucket_boundaries",
+                          f"must be positive and strictly ascending, got {list(bounds)}")
+    for name in ("max_batch_cost", "stretch"):
+        if getattr(bp, name) < 0:
+            raise field_error(config.name, f"binpack_batching.{name}", f"must be >= 0, got {getattr(bp, name)}")
+    return BinPackSettings(
+        quadratic=bp.cost_model == mc.ModelBinPacking.QUADRATIC,
+        boundaries=bounds,
+        num_buckets=bp.num_buckets or defaults.num_buckets,
+        learning_window=bp.learning_window or defaults.learning_window,
+        max_batch_cost=bp.max_batch_cost,
+        stretch=bp.stretch or defaults.stretch,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationSettings:
+    """What the generation runner needs from the `generation` section: its scheduler's settings and
+    the max_tokens a request gets when it names none."""
+
+    continuous: ContinuousSettings
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+
+
+def generation_settings(g: mc.ModelGeneration, max_model_len: int, num_kv_blocks: int,
+                        eos_token_ids: frozenset[int] = frozenset()) -> GenerationSettings:
+    """`max_model_len`, `num_kv_blocks`, `eos_token_ids`: what the loaded engine found (they depend on
+    the model's files and the device's memory, so only the backend knows them)."""
+    defaults = ContinuousSettings()
+    continuous = ContinuousSettings(
+        max_num_seqs=g.max_num_seqs or defaults.max_num_seqs,
+        max_num_batched_tokens=g.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        max_waiting=g.max_waiting or defaults.max_waiting,
+        admit_margin_blocks=max(1, num_kv_blocks // ADMIT_MARGIN_PER_BLOCKS),
+        eos_token_ids=frozenset(eos_token_ids),
+    )
+    return GenerationSettings(continuous, g.default_max_tokens or DEFAULT_MAX_TOKENS)

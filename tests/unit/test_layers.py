@@ -1,0 +1,41 @@
+"""The layering the architecture promises, checked: pure policies, and model kinds chosen only by the factory."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_scheduling_imports_neither_torch_grpc_protobuf_nor_asyncio():
+    modules = sorted(f"server.scheduling.{p.stem}" for p in (ROOT / "server" / "scheduling").glob("*.py") if p.stem != "__init__")
+    assert "server.scheduling.continuous" in modules and "server.scheduling.dynamic" in modules
+    probe = "import sys\n" + "".join(f"import {m}\n" for m in modules) + (
+        "print(' '.join(sorted(m for m in ('torch', 'grpc', 'google.protobuf', 'asyncio') if m in sys.modules)))")
+    found = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == ""
+
+
+def _sources(*folders: str) -> dict[Path, str]:
+    return {p: p.read_text() for folder in folders for p in (ROOT / "server" / folder).rglob("*.py")}
+
+
+def test_front_doors_and_registry_never_branch_on_backend_names_or_runner_classes():
+    sources = _sources("rpc", "repository")
+    assert len(sources) > 8
+    runner_classes = "|".join(("ModelRunner", "GenerationRunner", "RunnerBase", "LLMBackend"))
+    for path, text in sources.items():
+        assert not re.search(r"""["']llm["']""", text), f"{path.name} names the llm backend"
+        assert not re.search(rf"isinstance\([^)]*({runner_classes})", text), f"{path.name} checks a runner's class"
+        assert not re.search(rf"\b({runner_classes})\b", text), f"{path.name} knows a concrete runner or backend"
+        assert ".backend." not in text and "runner.backend" not in text, f"{path.name} reaches into a runner's backend"
+
+
+def test_the_registry_imports_no_runner_worker_scheduler_or_metrics_class():
+    text = (ROOT / "server" / "repository" / "registry.py").read_text()
+    runtime = text.split("if TYPE_CHECKING:")[0]  # type-only imports name the protocol, nothing else
+    for module in ("server.runners", "server.worker", "server.scheduling", "server.metrics", "server.generation_metrics"):
+        assert f"from {module}" not in runtime and f"import {module}" not in runtime, module
