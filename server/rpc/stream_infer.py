@@ -19,9 +19,11 @@ import numpy as np
 
 from protos import grpc_service_pb2 as pb
 from server.errors import FerryError, InvalidInputError
+from server.names import capped
 from server.generation_runner import GenerationRunner
 from server.repository.registry import ModelVersion, Registry
 from server.rpc import codec
+from server.rpc.passthrough import Undecodable
 from server.scheduling.sequence import SamplingParams
 
 InferOne = Callable[[pb.ModelInferRequest, ModelVersion, int], Awaitable[pb.ModelInferResponse]]
@@ -61,6 +63,8 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
 async def _serve(registry, request, infer_one, out, previous, turn, deadline_ns) -> None:
     arrival = time.monotonic_ns()
     try:
+        if isinstance(request, Undecodable):  # a message that did not parse: answered here, the stream goes on
+            raise request.error
         mv = registry.get(request.model_name, request.model_version)
         if isinstance(mv.runner, GenerationRunner):
             turn.set_result(None)  # decoupled: its responses interleave freely with the others
@@ -71,7 +75,7 @@ async def _serve(registry, request, infer_one, out, previous, turn, deadline_ns)
         response = pb.ModelStreamInferResponse(infer_response=await infer_one(request, mv, arrival))
         _final(response.infer_response, True)
     except Exception as exc:  # noqa: BLE001 - one request's failure is reported on the stream, which goes on
-        message = exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}"
+        message = capped(exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}")
         failed = _final(pb.ModelInferResponse(id=request.id, model_name=request.model_name), True)
         response = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
     if previous is not None:
@@ -140,7 +144,7 @@ def _sampling(inputs: dict[str, np.ndarray], params: dict, default_max_tokens: i
         raise InvalidInputError(f"sampling_parameters is not valid JSON: {exc}") from None
     unknown = set(given) - _SAMPLING_KEYS
     if unknown:
-        raise InvalidInputError(f"unsupported sampling parameters {sorted(unknown)}; supported: {sorted(_SAMPLING_KEYS)}")
+        raise InvalidInputError(f"unsupported sampling parameters {capped(str(sorted(unknown)), 300)}; supported: {sorted(_SAMPLING_KEYS)}")
     if "max_tokens" in inputs:
         given["max_tokens"] = int(_scalar(inputs, "max_tokens"))
     stop = given.get("stop") or ()
