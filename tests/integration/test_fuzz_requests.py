@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is part of the test extra")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from protos import generate_pb2 as gen  # noqa: E402
-from protos import grpc_service_pb2 as pb  # noqa: E402
-from tests import builders, kserve  # noqa: E402
-from tests.conftest import RunningServer, link_shipped_models  # noqa: E402
+from protos import generate_pb2 as gen
+from protos import grpc_service_pb2 as pb
+from tests import builders, kserve
+from tests.conftest import RunningServer, link_shipped_models
 
 EXAMPLES = int(os.environ.get("FERRY_FUZZ_EXAMPLES", "250"))
 PRECISE = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE,
