@@ -13,6 +13,7 @@ import numpy as np
 from protos import model_config_pb2 as mc
 from server import datatypes
 from server.errors import InvalidInputError
+from server.names import shown
 from server.padding import Padding
 
 
@@ -59,10 +60,10 @@ class Signature:
         """Validate decoded inputs; return (batch size, key of shapes that must match to join)."""
         for name in inputs:
             if self.padding and name in self.padding.filled:
-                raise InvalidInputError(f"input '{name}' of model '{self.model}' is filled in by the server; do not send it")
+                raise InvalidInputError(f"input {shown(name)} of model '{self.model}' is filled in by the server; do not send it")
             if name not in self.inputs:
                 raise InvalidInputError(
-                    f"unexpected input '{name}' for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
+                    f"unexpected input {shown(name)} for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
                 )
         missing = [n for n, s in self.inputs.items() if n not in inputs and not s.optional]
         if missing:
@@ -103,7 +104,7 @@ class Signature:
         for name in requested:
             if name not in self.outputs:
                 raise InvalidInputError(
-                    f"unknown output '{name}' requested from model '{self.model}'; outputs: {sorted(self.outputs)}"
+                    f"unknown output {shown(name)} requested from model '{self.model}'; outputs: {sorted(self.outputs)}"
                 )
 
     def _check_dtype(self, spec: TensorSpec, value: np.ndarray) -> None:

@@ -34,6 +34,7 @@ def parameter(config: mc.ModelConfig, key: str, default: str | None = None) -> s
 class Backend(ABC):
     name: str  # as written in a config's `backend` field
     default_filename: str
+    instance: int = 0  # index among its model version's instances (0..count-1), set by the loader
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
         self.config = config

@@ -2,8 +2,11 @@
 
 The file defines `class Model` with `execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]`
 and, optionally, `initialize(self, args: dict)` and `finalize(self)`. `args` holds `config` (the model
-config as a dict), `version_dir`, `device` and `instance` (0-based). Each instance gets its own
-`Model` object; the module is imported once per version, so module-level state is shared by them.
+config as a dict), `version_dir`, `device` and `instance` (0-based among the model's instances). Each
+instance gets its own `Model` object; the instances of one load share one import of `model.py`, so
+module-level state is shared by them. Every load imports the file afresh under a name of its own
+(never entered in sys.modules): an edited `model.py` takes effect on RepositoryModelLoad or a
+repository poll, and the module is dropped when the last instance of its load is unloaded.
 """
 
 from __future__ import annotations
@@ -20,19 +23,45 @@ from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
 from server.errors import ConfigError
 
-_instances = itertools.count()
-_modules: dict[Path, object] = {}
-_modules_lock = threading.Lock()
+_loads = itertools.count()  # makes each import's module name unique, so no import reuses another's
 
 
-def _import(path: Path, name: str):
-    with _modules_lock:
-        if path not in _modules:
-            spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            _modules[path] = module
-        return _modules[path]
+class _SharedImports:
+    """One module per load of a version: keyed by the version's config object, which the loader
+    gives all instances of one load (and a new one on every load); kept alive with the entry so
+    its id cannot be reused while the module is held."""
+
+    def __init__(self):
+        self._held: dict[int, list] = {}  # id(config) -> [config, module, instances holding it]
+        self._lock = threading.Lock()
+
+    def acquire(self, config: mc.ModelConfig, path: Path):
+        with self._lock:
+            entry = self._held.get(id(config))
+            if entry is None:
+                entry = self._held[id(config)] = [config, _import(path, config.name), 0]
+            entry[2] += 1
+            return entry[1]
+
+    def release(self, config: mc.ModelConfig) -> None:
+        with self._lock:
+            entry = self._held.get(id(config))
+            if entry is not None:
+                entry[2] -= 1
+                if entry[2] <= 0:
+                    del self._held[id(config)]
+
+
+_imports = _SharedImports()
+
+
+def _import(path: Path, model: str):
+    """Execute `path` as a new module that is never entered in sys.modules (so never found again)."""
+    name = f"ferry_model_{model}_{next(_loads)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class PythonBackend(Backend):
@@ -41,13 +70,15 @@ class PythonBackend(Backend):
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
         super().__init__(config, model_path, device)
-        self.instance = next(_instances)
+        self.model = None
+        self._holds_module = False
 
     def load(self) -> None:
-        module = _import(self.model_path.resolve(), f"ferry_model_{self.config.name}_{self.model_path.parent.name}")
+        module = _imports.acquire(self.config, self.model_path)
+        self._holds_module = True
         model_class = getattr(module, "Model", None)
         if model_class is None:
-            raise ConfigError(f"{self.model_path}: defines no `class Model`")
+            raise ConfigError(f"{self.config.name}/{self.model_path.parent.name}/{self.model_path.name}: defines no `class Model`")
         self.model = model_class()
         if hasattr(self.model, "initialize"):
             self.model.initialize({
@@ -59,6 +90,9 @@ class PythonBackend(Backend):
         return {name: np.asarray(value) for name, value in self.model.execute(inputs).items()}
 
     def unload(self) -> None:
-        if hasattr(self, "model") and hasattr(self.model, "finalize"):
+        if self.model is not None and hasattr(self.model, "finalize"):
             self.model.finalize()
         self.model = None
+        if self._holds_module:
+            self._holds_module = False
+            _imports.release(self.config)  # the last instance of this load drops the module

@@ -15,15 +15,24 @@ from google.protobuf import json_format, text_format
 
 from protos import model_config_pb2 as mc
 from server.errors import ConfigError
+from server.repository import config_errors
 
 CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
 _SUPPORTED_SCHEDULING = {None, "dynamic_batching"}
 
 
+def shown(path: Path, model_dir: Path) -> str:
+    """A path inside a model folder as clients see it: relative to the repository (`<model>/config.pbtxt`)."""
+    try:
+        return str(Path(model_dir.name) / path.relative_to(model_dir))
+    except ValueError:
+        return f"{model_dir.name}/{path.name}"
+
+
 def config_path(model_dir: Path) -> Path | None:
     found = [model_dir / n for n in CONFIG_FILES if (model_dir / n).is_file()]
     if len(found) > 1:
-        raise ConfigError(f"{model_dir}: found {', '.join(p.name for p in found)}; keep exactly one config file")
+        raise ConfigError(f"{model_dir.name}/: found {', '.join(p.name for p in found)}; keep exactly one config file")
     return found[0] if found else None
 
 
@@ -32,20 +41,9 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
     path = config_path(model_dir)
     config = mc.ModelConfig()
     if path is not None:
-        text = path.read_text()
-        try:
-            if path.suffix == ".pbtxt":
-                text_format.Parse(text, config)
-            else:
-                data = yaml.safe_load(text) or {}
-                if not isinstance(data, dict):
-                    raise ConfigError(f"{path}: expected a mapping of config fields, got {type(data).__name__}")
-                json_format.ParseDict(data, config)
-        except (text_format.ParseError, json_format.ParseError, yaml.YAMLError) as exc:
-            first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"{path}: {first_line}") from None
+        _parse(path.read_bytes(), shown(path, model_dir), path.suffix == ".pbtxt", config)
     if config.name and config.name != model_dir.name:
-        raise ConfigError(f"{path}: field 'name' is {config.name!r} but the model folder is {model_dir.name!r}")
+        raise ConfigError(f"{shown(path, model_dir)}: field 'name' is {config.name!r} but the model folder is {model_dir.name!r}")
     config.name = model_dir.name
     return config
 
@@ -53,6 +51,31 @@ def read_config(model_dir: Path) -> mc.ModelConfig:
 def field_error(source: str, field: str, why: str) -> ConfigError:
     """The one shape of a config refusal: where, which field, why (with the value)."""
     return ConfigError(f"{source}: field '{field}' {why}")
+
+
+def _parse(data: bytes, where: str, pbtxt: bool, config: mc.ModelConfig) -> None:
+    """Messages name the file, line and schema field, never the content (see config_errors)."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        if pbtxt:
+            text_format.Parse(text, config)
+            return
+        values = yaml.safe_load(text) or {}
+    except text_format.ParseError as exc:
+        raise ConfigError(config_errors.text_format_error(where, exc, text)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(config_errors.yaml_error(where, exc)) from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where}: expected a mapping of config fields, got {type(values).__name__}")
+    try:
+        json_format.ParseDict(values, config)
+    except json_format.ParseError as exc:
+        raise ConfigError(config_errors.json_format_error(where, exc, text)) from None
+    except (TypeError, ValueError, AttributeError):  # keys that are not strings, values protobuf cannot hold
+        raise ConfigError(f"{where}: not a valid ModelConfig (keys must be field names, values their types)") from None
 
 
 def validate(config: mc.ModelConfig, source: str) -> None:

@@ -15,6 +15,7 @@ from protos import model_config_pb2 as mc
 from server import backends
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
+from server.names import is_version_folder
 from server.repository import config as config_io
 from server.signature import Signature
 
@@ -35,7 +36,20 @@ def scan(root: Path) -> list[Path]:
 
 
 def version_dirs(model_dir: Path) -> dict[int, Path]:
-    return {int(p.name): p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()}
+    return {int(p.name): p for p in model_dir.iterdir() if p.is_dir() and is_version_folder(p.name)}
+
+
+def without_paths(message: str, model_dir: Path) -> str:
+    """`message` with the server's absolute paths replaced by repository-relative ones.
+
+    Backends (ONNX Runtime, torch, a model.py's own exceptions) quote the files they were given; a
+    client must not learn where the repository lives, so the model folder (as given and resolved,
+    which differ when it is a symlink) becomes its name and the repository root disappears."""
+    for prefix, replacement in sorted({(str(model_dir.resolve()), model_dir.name), (str(model_dir), model_dir.name),
+                                       (str(model_dir.parent.resolve()) + "/", ""), (str(model_dir.parent) + "/", "")},
+                                      key=lambda pair: -len(pair[0])):
+        message = message.replace(prefix, replacement)
+    return message
 
 
 def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list[int]:
@@ -52,10 +66,11 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
 def load_model(model_dir: Path, default_max_batch_size: int) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
     """Read the config and load every selected version; raises ConfigError for model-wide problems."""
     base = config_io.read_config(model_dir)
-    source = str(config_io.config_path(model_dir) or model_dir)
+    found = config_io.config_path(model_dir)
+    source = config_io.shown(found, model_dir) if found else f"{model_dir.name}/"
     on_disk = version_dirs(model_dir)
     if not on_disk:
-        raise ConfigError(f"{model_dir}: no numbered version folder (e.g. {model_dir.name}/1/)")
+        raise ConfigError(f"{model_dir.name}/: no numbered version folder (e.g. {model_dir.name}/1/)")
     name = backends.resolve_backend_name(base, list(on_disk.values()), source)
     if not base.backend:
         base.backend = name
@@ -66,10 +81,11 @@ def load_model(model_dir: Path, default_max_batch_size: int) -> tuple[mc.ModelCo
         entry = LoadedVersion(number)
         try:
             if number not in on_disk:
-                raise ConfigError(f"{source}: version_policy names version {number} but {model_dir / str(number)} does not exist")
+                raise ConfigError(f"{source}: version_policy names version {number} but {model_dir.name}/{number}/ does not exist")
             _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size)
         except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the others
-            entry.error = exc.message if isinstance(exc, FerryError) else f"{model_dir / str(number)}: {type(exc).__name__}: {exc}"
+            error = exc.message if isinstance(exc, FerryError) else f"{model_dir.name}/{number}: {type(exc).__name__}: {exc}"
+            entry.error = without_paths(error, model_dir)
             log.error("model '%s' version %d failed to load: %s", model_dir.name, number, entry.error)
             for backend in entry.backends:
                 backend.unload()
@@ -86,8 +102,9 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
         config.dynamic_batching.SetInParent()  # auto-completed batching models batch dynamically (as Triton)
     config_io.validate(config, source)
     entry.config, entry.signature = config, Signature.from_config(config)
-    for device in _devices(config, backend_cls):
+    for index, device in enumerate(_devices(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
+        backend.instance = index
         entry.backends.append(backend)
         backend.load()
     for key, value in entry.backends[0].describe().items():
@@ -101,7 +118,7 @@ def _model_file(config: mc.ModelConfig, backend_cls, version_dir: Path) -> Path:
     for name in candidates:
         if (version_dir / name).exists():
             return version_dir / name
-    raise ConfigError(f"{version_dir}: model file {' or '.join(candidates)} is missing")
+    raise ConfigError(f"{version_dir.parent.name}/{version_dir.name}/: model file {' or '.join(candidates)} is missing")
 
 
 def _devices(config: mc.ModelConfig, backend_cls) -> list[Device]:

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Callable
 from protos import model_config_pb2 as mc
 from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S
-from server.errors import ConfigError, InvalidInputError, ModelNotFoundError, ModelUnavailableError
+from server.errors import ConfigError, ModelNotFoundError, ModelUnavailableError
+from server.names import check_model_name, parse_version, shown
 from server.repository import loader
 from server.signature import Signature
 
@@ -76,17 +77,19 @@ class Registry:
     async def load(self, name: str) -> None:
         """(Re)load one model from its folder. New versions replace the old ones only if at least one
         of them is ready; otherwise the old ones keep serving and the reason is raised."""
+        check_model_name(name)  # before any path is built from it
         model_dir = self.root / name
-        if not model_dir.is_dir() or name.startswith((".", "__")) or "/" in name:
-            raise ModelNotFoundError(f"no model folder '{name}' in the model repository {self.root}")
+        if not model_dir.is_dir():
+            raise ModelNotFoundError(f"no model folder {shown(name)} in the model repository")
         error = await self._owned(self._locked(name, self._load(model_dir)))
         if error:
             raise ModelUnavailableError(f"failed to load model '{name}': {error}")
 
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, let admitted ones finish, release its memory."""
+        check_model_name(name)
         if not self.knows(name):
-            raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
+            raise ModelNotFoundError(f"Request for unknown model: {shown(name)} is not found")
         await self._owned(self._locked(name, self._unload(name, self.drain_grace_s)))
 
     async def _unload(self, name: str, grace_s: float) -> str:
@@ -120,7 +123,7 @@ class Registry:
         try:
             _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size)
         except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
-            reason = getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}"
+            reason = loader.without_paths(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}", model_dir)
             log.error("model '%s' is unavailable: %s", name, reason)
             if not self.ready_versions(name):
                 self._errors[name] = reason
@@ -172,11 +175,9 @@ class Registry:
                 raise ModelUnavailableError(f"model '{name}' is loading")
             if name in self._errors:
                 raise ModelUnavailableError(f"model '{name}' is not available: {self._errors[name]}")
-            raise ModelNotFoundError(f"Request for unknown model: '{name}' is not found")
+            raise ModelNotFoundError(f"Request for unknown model: {shown(name)} is not found")
         if version:
-            if not version.isdigit():
-                raise InvalidInputError(f"model version must be a positive integer, got {version!r}")
-            mv = versions.get(int(version))
+            mv = versions.get(parse_version(version))
             if mv is None:
                 raise ModelNotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
             if not mv.ready:

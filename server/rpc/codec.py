@@ -17,6 +17,7 @@ import numpy as np
 from protos import grpc_service_pb2 as pb
 from server import datatypes
 from server.errors import InvalidInputError
+from server.names import capped, shown
 
 # Typed-contents field for each API datatype (FP16 and BF16 have none: raw only).
 _TYPED_FIELD = {
@@ -29,6 +30,9 @@ _TYPED_FIELD = {
 _RESERVED_TRITON_KEYS = {"triton_enable_empty_final_response"}
 _LENGTH = struct.Struct("<I")
 _NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
+# Shape bounds, as Triton's int32 limits: no accepted tensor is larger than a gRPC message can carry.
+MAX_DIM = MAX_ELEMENTS = 2**31 - 1
+MAX_RANK = 32
 
 
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
@@ -44,20 +48,39 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     inputs = {}
     for i, tensor in enumerate(request.inputs):
         if tensor.name in inputs:
-            raise InvalidInputError(f"input '{tensor.name}' appears twice in the request")
+            raise InvalidInputError(f"input {shown(tensor.name)} appears twice in the request")
         dtype = datatypes.BY_API.get(tensor.datatype)
         if dtype is None:
             raise InvalidInputError(
-                f"input '{tensor.name}' has unknown datatype {tensor.datatype!r}; use one of {sorted(datatypes.BY_API)}"
+                f"input {shown(tensor.name)} has unknown datatype {shown(tensor.datatype)}; use one of {sorted(datatypes.BY_API)}"
             )
-        shape = tuple(tensor.shape)
-        if any(d < 0 for d in shape):
-            raise InvalidInputError(f"input '{tensor.name}' has negative dimensions in shape {list(shape)}")
+        shape = _checked_shape(tensor)
         if raw:
             inputs[tensor.name] = _from_raw(tensor.name, dtype, shape, raw[i])
         else:
             inputs[tensor.name] = _from_typed(tensor, dtype, shape)
     return inputs
+
+
+def _checked_shape(tensor) -> tuple[int, ...]:
+    """Per dimension, never per element: each dim in [0, MAX_DIM], at most MAX_RANK of them, and the
+    product of the non-zero dims <= MAX_ELEMENTS, so a zero-size shape like [0, 2**62] is refused
+    here rather than by numpy (whose ValueError would surface as INTERNAL)."""
+    shape = tuple(tensor.shape)
+    if len(shape) > MAX_RANK:
+        raise InvalidInputError(f"input {shown(tensor.name)} has {len(shape)} dimensions; at most {MAX_RANK} are supported")
+    for d in shape:
+        if not 0 <= d <= MAX_DIM:
+            raise InvalidInputError(
+                f"input {shown(tensor.name)} has dimension {d} in shape {_shape(shape)}; each must be within [0, {MAX_DIM}]")
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise InvalidInputError(
+            f"input {shown(tensor.name)}: shape {_shape(shape)} has more than {MAX_ELEMENTS} elements (2**31 - 1)")
+    return shape
+
+
+def _shape(shape: tuple) -> str:
+    return capped(str(list(shape)), 200)
 
 
 def _from_raw(name: str, dtype: datatypes.DataType, shape: tuple, data: bytes) -> np.ndarray:
@@ -66,7 +89,7 @@ def _from_raw(name: str, dtype: datatypes.DataType, shape: tuple, data: bytes) -
         return _parse_bytes(name, data, count).reshape(shape)
     if len(data) != count * dtype.itemsize:
         raise InvalidInputError(
-            f"input '{name}': raw content is {len(data)} bytes but shape {list(shape)} of {dtype.api} needs "
+            f"input {shown(name)}: raw content is {len(data)} bytes but shape {list(shape)} of {dtype.api} needs "
             f"{count * dtype.itemsize} bytes"
         )
     return np.frombuffer(data, dtype=dtype.numpy).reshape(shape)
@@ -75,12 +98,12 @@ def _from_raw(name: str, dtype: datatypes.DataType, shape: tuple, data: bytes) -
 def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
     field = _TYPED_FIELD.get(dtype.api)
     if field is None:
-        raise InvalidInputError(f"input '{tensor.name}': datatype {dtype.api} can only be sent as raw_input_contents")
+        raise InvalidInputError(f"input {shown(tensor.name)}: datatype {dtype.api} can only be sent as raw_input_contents")
     values = getattr(tensor.contents, field)
     count = math.prod(shape)
     if len(values) != count:
         raise InvalidInputError(
-            f"input '{tensor.name}': contents.{field} has {len(values)} elements but shape {list(shape)} needs {count}"
+            f"input {shown(tensor.name)}: contents.{field} has {len(values)} elements but shape {list(shape)} needs {count}"
         )
     if dtype.api == "BYTES":
         array = np.empty(count, dtype=object)
@@ -89,7 +112,7 @@ def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
         wide = np.fromiter(values, dtype=np.int64, count=count)
         info = np.iinfo(dtype.numpy)
         if count and (wide.min() < info.min or wide.max() > info.max):
-            raise InvalidInputError(f"input '{tensor.name}': values outside the {dtype.api} range [{info.min}, {info.max}]")
+            raise InvalidInputError(f"input {shown(tensor.name)}: values outside the {dtype.api} range [{info.min}, {info.max}]")
         array = wide.astype(dtype.numpy)
     else:
         array = np.fromiter(values, dtype=dtype.numpy, count=count)
@@ -98,20 +121,20 @@ def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
 
 def _parse_bytes(name: str, data: bytes, count: int) -> np.ndarray:
     if count * 4 > len(data):  # every element carries a 4-byte length: refuse before allocating
-        raise InvalidInputError(f"input '{name}': {len(data)} bytes cannot hold {count} BYTES elements")
+        raise InvalidInputError(f"input {shown(name)}: {len(data)} bytes cannot hold {count} BYTES elements")
     out = np.empty(count, dtype=object)
     view, offset, end = memoryview(data), 0, len(data)
     for i in range(count):
         if offset + 4 > end:
-            raise InvalidInputError(f"input '{name}': BYTES content ends after {i} of {count} elements")
+            raise InvalidInputError(f"input {shown(name)}: BYTES content ends after {i} of {count} elements")
         (length,) = _LENGTH.unpack_from(data, offset)
         offset += 4
         if offset + length > end:
-            raise InvalidInputError(f"input '{name}': BYTES element {i} claims {length} bytes past the end of the content")
+            raise InvalidInputError(f"input {shown(name)}: BYTES element {i} claims {length} bytes past the end of the content")
         out[i] = bytes(view[offset : offset + length])
         offset += length
     if offset != end:
-        raise InvalidInputError(f"input '{name}': {end - offset} bytes left over after {count} BYTES elements")
+        raise InvalidInputError(f"input {shown(name)}: {end - offset} bytes left over after {count} BYTES elements")
     return out
 
 
@@ -127,7 +150,7 @@ def decode_parameters(params) -> dict[str, Any]:
     out = {}
     for key, param in params.items():
         if key.startswith("triton_") and key not in _RESERVED_TRITON_KEYS:
-            raise InvalidInputError(f"parameter '{key}' is reserved (names starting with 'triton_')")
+            raise InvalidInputError(f"parameter {shown(key)} is reserved (names starting with 'triton_')")
         which = param.WhichOneof("parameter_choice")
         out[key] = getattr(param, which) if which else None
     return out

@@ -9,6 +9,7 @@ import logging
 import grpc
 
 from server import errors
+from server.names import capped
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def translate_errors(method):
         try:
             return await method(self, request, context)
         except errors.FerryError as exc:
-            await context.abort(status_of(exc), exc.message)
+            await context.abort(status_of(exc), capped(exc.message))
         except Exception as exc:  # the server keeps serving whatever a handler hits
             if isinstance(exc, grpc.aio.AbortError):
                 raise
@@ -61,7 +62,7 @@ def translate_stream_errors(method):
                 async for response in responses:
                     yield response
         except errors.FerryError as exc:
-            await context.abort(status_of(exc), exc.message)
+            await context.abort(status_of(exc), capped(exc.message))
         except Exception as exc:  # the server keeps serving whatever a handler hits
             if isinstance(exc, grpc.aio.AbortError):
                 raise

@@ -11,6 +11,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
+from server.rpc import passthrough
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Triton and tritonclient allow messages up to INT32_MAX; Python's default receive limit is 4 MiB.
@@ -41,8 +42,9 @@ class RpcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-        for servicer, add, name in servicers:
-            add(servicer, self.server)
+        self.malformed = passthrough.MalformedBodies()
+        for servicer, _, name in servicers:  # parsed inside Ferry's handlers: a bad body is INVALID_ARGUMENT
+            passthrough.add_service(servicer, name, self.server, self.malformed)
             names.append(name)
         self._served = [n for n in names if n not in (health.SERVICE_NAME, reflection.SERVICE_NAME)]
         reflection.enable_server_reflection(names, self.server)

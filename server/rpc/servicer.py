@@ -9,6 +9,7 @@ from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
+from server.names import capped, parse_version
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
 from server.rpc import codec
@@ -67,7 +68,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.registry.get(request.name)  # unknown model -> NOT_FOUND
         versions = [mv for mv in self.registry.all_versions(request.name) if mv.runner is not None]
         if request.version:
-            versions = [mv for mv in versions if str(mv.version) == request.version]
+            number = parse_version(request.version)
+            versions = [mv for mv in versions if mv.version == number]
         return pb.ModelStatisticsResponse(model_stats=[_statistics(mv) for mv in versions])
 
     @translate_errors
@@ -82,7 +84,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def RepositoryModelLoad(self, request, context):
         if request.parameters:
-            raise UnsupportedError(f"load parameters {sorted(request.parameters)} (config override, files) are not supported; "
+            given = capped(str(sorted(request.parameters)), 300)
+            raise UnsupportedError(f"load parameters {given} (config override, files) are not supported; "
                                    "edit the model folder and load it again")
         # The KServe SDK's variant of this message puts the model name in field 1 (repository_name).
         await self.registry.load(request.model_name or request.repository_name)
@@ -125,10 +128,10 @@ def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, re
     priority, timeout_us = params.pop("priority", 0), params.pop("timeout", 0)
     for name, value in (("priority", priority), ("timeout", timeout_us)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {value!r}")
+            raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {capped(repr(value), 100)}")
     cost = params.pop("cost", 0)  # per row, for cost-aware batching; 0: derived from the length
     if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
-        raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {cost!r}")
+        raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {capped(repr(cost), 100)}")
     return InferRequest(
         model_name=mv.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request.id,
         requested_outputs=requested, parameters=params, priority=priority, timeout_us=timeout_us,

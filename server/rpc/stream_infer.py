@@ -15,9 +15,11 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from protos import grpc_service_pb2 as pb
 from server.errors import FerryError
+from server.names import capped
 from server.repository.registry import ModelVersion, Registry
 from server.rpc import vllm_tensors
 from server.rpc.lookup import serving
+from server.rpc.passthrough import Undecodable
 from server.runners.base import GENERATE
 
 InferOne = Callable[[pb.ModelInferRequest, int], Awaitable[pb.ModelInferResponse]]
@@ -56,6 +58,8 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
 async def _serve(registry, request, infer_one, out, previous, turn, deadline_ns) -> None:
     arrival = time.monotonic_ns()
     try:
+        if isinstance(request, Undecodable):  # a message that did not parse: answered here, the stream goes on
+            raise request.error
         if registry.get(request.model_name, request.model_version).runner.serves == GENERATE:
             turn.set_result(None)  # decoupled: its responses interleave freely with the others
             async with contextlib.aclosing(_generate(registry, request, arrival, deadline_ns)) as responses:
@@ -64,7 +68,7 @@ async def _serve(registry, request, infer_one, out, previous, turn, deadline_ns)
             return
         response = pb.ModelStreamInferResponse(infer_response=_final(await infer_one(request, arrival), True))
     except Exception as exc:  # noqa: BLE001 - one request's failure is reported on the stream, which goes on
-        message = exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}"
+        message = capped(exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}")
         failed = _final(pb.ModelInferResponse(id=request.id, model_name=request.model_name), True)
         response = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
     if previous is not None:

@@ -125,7 +125,7 @@ ONE = np.ones((1, 4), np.float32)
     (lambda: kserve.request("simple", {"INPUT0": np.ones((5, 4), np.float32), "INPUT1": np.ones((5, 4), np.float32)}), grpc.StatusCode.INVALID_ARGUMENT, ["batch size 5", "max_batch_size 4"]),
     (lambda: kserve.request("simple", {"INPUT0": ONE, "INPUT1": ONE}, outputs=["NOPE"]), grpc.StatusCode.INVALID_ARGUMENT, ["NOPE"]),
     (lambda: kserve.request("broken", {"INPUT0": ONE}), grpc.StatusCode.UNAVAILABLE, ["broken", "DecodeError"]),
-    (lambda: kserve.request("badcfg", {"INPUT0": ONE}), grpc.StatusCode.UNAVAILABLE, ["config.yaml", "max_batch_sise"]),
+    (lambda: kserve.request("badcfg", {"INPUT0": ONE}), grpc.StatusCode.UNAVAILABLE, ["badcfg/config.yaml", "did you mean 'max_batch_size'"]),
 ], ids=["unknown-model", "unknown-version", "wrong-name", "missing-input", "wrong-dtype", "wrong-shape",
         "batch-too-large", "unknown-output", "failed-model", "bad-config"])
 def test_bad_requests_get_clear_errors(server, case, code, words):
@@ -171,7 +171,8 @@ def test_repository_index_shows_failures_with_reasons(server):
     assert rows["simple"].state == "READY" and rows["simple"].version == "1"
     assert rows["broken"].state == "UNAVAILABLE" and "DecodeError" in rows["broken"].reason
     assert "broken/1" in rows["broken"].reason  # names the folder that holds the bad file
-    assert rows["badcfg"].state == "UNAVAILABLE" and "max_batch_sise" in rows["badcfg"].reason
+    assert rows["badcfg"].state == "UNAVAILABLE" and "did you mean 'max_batch_size'" in rows["badcfg"].reason
+    assert "max_batch_sise" not in rows["badcfg"].reason  # the file's content is never quoted
     assert rows["nofile"].state == "UNAVAILABLE" and "model.onnx" in rows["nofile"].reason
     ready = {m.name for m in api.RepositoryIndex(pb.RepositoryIndexRequest(ready=True)).models}
     assert ready == {"simple", "types", "typed", "fragile"}

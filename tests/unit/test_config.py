@@ -62,7 +62,7 @@ def test_scheduler_built_from_config(tmp_path):
 @pytest.mark.parametrize("name, text, words", [
     ("config.yaml", "max_batch_size: 4\nmax_batch: 2\n", ["config.yaml", "max_batch"]),
     ("config.yaml", "max_batch_size: many\n", ["config.yaml", "max_batch_size"]),
-    ("config.pbtxt", "max_batch_size: 4\ninput [ { nme: \"x\" } ]\n", ["config.pbtxt", "nme"]),
+    ("config.pbtxt", "max_batch_size: 4\ninput [ { nme: \"x\" } ]\n", ["m/config.pbtxt", "line 2, column 11", "did you mean 'name'"]),
     ("config.yaml", "name: other\n", ["'name'", "other"]),
 ])
 def test_parse_errors_name_file_and_field(tmp_path, name, text, words):
