@@ -65,6 +65,7 @@ class ModelStats:
         self.inference_count = self.execution_count = self.last_inference_ms = 0
         self.failures: Counter[str] = Counter()  # by reason: REJECTED, BACKEND, CANCELED
         self.deadline_misses = self.pending = self.window_ns = 0
+        self.batch_reruns = 0  # runs spent splitting failed batches (runners/isolation.py)
         self.batches: dict[int, BatchTimes] = {}
         self.padded_elements = self.computed_elements = 0  # positions along a variable length
         self.bucket_batches: dict[int, Counter[int]] = {}  # cost bucket -> batch size -> batches
@@ -118,6 +119,10 @@ class ModelStats:
         with self._lock:
             self.deadline_misses += 1
 
+    def record_reruns(self, runs: int) -> None:
+        with self._lock:
+            self.batch_reruns += runs
+
     def set_gauges(self, gauges) -> None:
         """`gauges`: the scheduler's Gauges record, the one way policy state reaches the metrics."""
         self.pending, self.window_ns = gauges.pending, gauges.window_ns
@@ -136,6 +141,7 @@ class ModelStats:
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
                 "last_inference": self.last_inference_ms, "failures": dict(self.failures),
                 "deadline_misses": self.deadline_misses, "pending": self.pending, "window_ns": self.window_ns,
+                "batch_reruns": self.batch_reruns,
                 "padded_elements": self.padded_elements, "computed_elements": self.computed_elements,
                 "bucket_batches": {b: dict(sizes) for b, sizes in sorted(self.bucket_batches.items())},
                 "buckets": list(self.buckets),
@@ -159,6 +165,8 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
     ("nv_inference_pending_request_count", "gauge", "Requests queued, not yet executing", lambda s: s["pending"]),
     ("ferry_deadline_misses", "counter", "Requests whose deadline passed while queued (rejected or run late)",
      lambda s: s["deadline_misses"]),
+    ("ferry_batch_reruns", "counter", "Backend runs spent splitting failed batches until the failing requests ran alone",
+     lambda s: s["batch_reruns"]),
     ("ferry_batch_window_ms", "gauge", "Batching window in force (adaptive or fixed)", lambda s: s["window_ns"] / 1e6),
     ("ferry_padding_elements", "counter", "Positions along a variable length that were padding (rows x padded length - true lengths)",
      lambda s: s["padded_elements"]),

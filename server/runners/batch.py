@@ -18,6 +18,7 @@ from server.errors import BackendError, DeadlineExceededError, FerryError, Model
 from server.metrics import ModelStats
 from server.request import Batch, InferRequest
 from server.runners.base import INFER, RunnerBase
+from server.runners.isolation import run_isolated
 from server.runners.ordering import ResponseOrder
 from server.scheduling.base import Scheduler
 from server.worker import BatchResult, Worker
@@ -124,30 +125,43 @@ class ModelRunner(RunnerBase):
         task.add_done_callback(self._running.discard)
 
     async def _run(self, worker: Worker, batch: Batch, running: asyncio.Future[BatchResult], started: int) -> None:
-        result, error = None, None
+        """Answer a dispatched batch; a failing one is split until its failing requests run alone
+        (runners/isolation.py), on this instance, before the instance takes another batch."""
+        parts = iter([running])
+
+        def run(part: Batch) -> asyncio.Future[BatchResult]:
+            return next(parts, None) or worker.start(part)  # the first run is the one already dispatched
+
+        outcome = None
         try:
-            result = await running
-        except Exception as exc:  # whatever went wrong fails this batch only
-            if not isinstance(exc, FerryError):
-                log.exception("model '%s': unexpected error running a batch", self.name)
-                exc = BackendError(f"model '{self.name}': {type(exc).__name__}: {exc}")
-            log.warning("model '%s' batch of %d failed: %s", self.name, batch.size, exc.message)
-            error = exc
+            outcome = await run_isolated(run, batch, self._unexpected)
         finally:
             done = time.monotonic_ns()
+            clean = outcome is not None and not outcome.failed and not outcome.reruns
             try:
-                self.scheduler.complete(batch, None if result is None else done - started, done)
+                self.scheduler.complete(batch, done - started if clean else None, done)
             except Exception:  # the instance and the answers must not be lost with it
                 log.exception("model '%s': the scheduler failed to take back a batch", self.name)
             self._release(worker, done)
-        if error is not None:
-            for request in batch.requests:
-                self._fail(request, error)
-            return
-        self.stats.record_batch(batch.size, len(batch.requests), result.input_ns, result.infer_ns, result.output_ns,
-                                result.padding.padded, result.padding.computed, batch.bucket)
-        for request, outputs in zip(batch.requests, result.outputs):
-            self._finish(request, _setter(request, outputs))
+        if outcome.reruns:
+            self.stats.record_reruns(outcome.reruns)
+            log.warning("model '%s': a batch of %d requests failed; %d re-runs isolated %d failing request(s): %s",
+                        self.name, len(batch.requests), outcome.reruns, len(outcome.failed),
+                        outcome.failed[0][1].message if outcome.failed else "none failed alone")
+        for part, result in outcome.answered:
+            self.stats.record_batch(part.size, len(part.requests), result.input_ns, result.infer_ns, result.output_ns,
+                                    result.padding.padded, result.padding.computed, part.bucket)
+            for request, outputs in zip(part.requests, result.outputs):
+                self._finish(request, _setter(request, outputs))
+        for request, error in outcome.failed:
+            if not outcome.reruns:
+                log.warning("model '%s' request failed: %s", self.name, error.message)
+            self._fail(request, error)
+
+    def _unexpected(self, exc: Exception) -> BackendError:
+        """A failure that is not one of Ferry's domain errors (e.g. inputs that cannot be joined)."""
+        log.error("model '%s': unexpected error running a batch", self.name, exc_info=exc)
+        return BackendError(f"model '{self.name}': {type(exc).__name__}: {exc}")
 
     def _release(self, worker: Worker, now: int) -> None:
         """Refill a freed instance at once, before its batch is answered: answering wakes one handler per

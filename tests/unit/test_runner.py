@@ -41,6 +41,8 @@ class HeldEcho(Backend):
         HeldEcho.executed += 1
         HeldEcho.started.release()
         assert HeldEcho.gate.wait(60), "the test never opened the gate"
+        if (inputs["x"] < 0).any():
+            raise ValueError("negative input")  # a request whose data this model cannot take
         return {"y": inputs["x"]}
 
 
@@ -137,8 +139,9 @@ def test_next_batch_is_dispatched_before_the_finished_one_is_answered():
     assert queued_left == 0 and idle == 0  # taken from the queue and on the instance already
 
 
-def test_a_batch_that_cannot_be_assembled_fails_alone():
-    """Assembling happens on the event loop now; its failure must fail that batch's callers only."""
+def test_a_batch_that_cannot_be_assembled_is_split_and_each_request_runs_alone():
+    """Assembling happens on the event loop; a batch whose inputs cannot be joined is split like a
+    failing one, and each request, alone, needs no joining."""
     HeldEcho.reset()
 
     async def scenario():
@@ -150,16 +153,41 @@ def test_a_batch_that_cannot_be_assembled_fails_alone():
         broken = [asyncio.create_task(r.infer(request(1))), asyncio.create_task(r.infer(request(2, width=3)))]
         await queued(r, 2)  # both wait behind the held batch, so they become one batch
         HeldEcho.gate.set()
-        results = await asyncio.gather(first, *broken, return_exceptions=True)
+        results = await asyncio.gather(first, *broken)
         after = await r.infer(request(3))
         await r.close(grace_s=60)
-        return results, after
+        return results, after, r.stats.batch_reruns
 
-    (first, *broken), after = asyncio.run(asyncio.wait_for(scenario(), 60))
+    (first, *split), after, reruns = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert float(first["y"][0, 0]) == 0.0
-    assert all(isinstance(x, BackendError) and "ValueError" in x.message for x in broken)
+    assert [x["y"].tolist() for x in split] == [[[1.0]], [[2.0, 2.0, 2.0]]]
     assert float(after["y"][0, 0]) == 3.0
-    assert HeldEcho.executed == 2  # the broken batch never reached the backend
+    assert reruns == 2 and HeldEcho.executed == 4  # the joined batch never reached the backend
+
+
+def test_a_failing_request_fails_alone_and_its_batch_neighbours_are_answered():
+    HeldEcho.reset()
+
+    async def scenario():
+        r = runner(max_batch_size=4)
+        r.start()
+        first = asyncio.create_task(r.infer(request(0)))
+        await running()
+        batch = [asyncio.create_task(r.infer(request(i))) for i in (1, 2, -3, 4)]
+        await queued(r, 4)  # they become one batch of four behind the held one
+        HeldEcho.gate.set()
+        results = await asyncio.gather(first, *batch, return_exceptions=True)
+        await r.close(grace_s=60)
+        return results, r.stats
+
+    (first, *batch), stats = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert float(first["y"][0, 0]) == 0.0
+    assert [float(x["y"][0, 0]) for i, x in enumerate(batch) if i != 2] == [1.0, 2.0, 4.0]
+    assert isinstance(batch[2], BackendError) and "negative input" in batch[2].message
+    # 4 fails -> its halves (2 runs) -> the failing half's halves (2 runs): the bad one is alone
+    assert stats.batch_reruns == 4 and HeldEcho.executed == 1 + 1 + 4
+    assert stats.snapshot()["failures"] == {"BACKEND": 1}
+    assert (stats.execution_count, stats.inference_count) == (1 + 2, 1 + 3)  # the parts that ran: [1, 2] and [4]
 
 
 def test_batches_are_assembled_on_the_event_loop(monkeypatch):
