@@ -23,6 +23,7 @@ class TensorSpec:
     datatype: datatypes.DataType
     dims: tuple[int, ...]  # without the batch dimension; -1 = any size
     optional: bool = False
+    text: bool = False  # BYTES the model reads as text: every element must be UTF-8
 
     def shape_for_metadata(self, batching: bool) -> list[int]:
         return ([-1] if batching else []) + list(self.dims)
@@ -37,10 +38,12 @@ class Signature:
     padding: Padding | None = None  # variable-length inputs: requests of different lengths join
 
     @classmethod
-    def from_config(cls, config: mc.ModelConfig) -> Signature:
+    def from_config(cls, config: mc.ModelConfig, text_bytes: bool = False) -> Signature:
+        """`text_bytes`: the backend reads BYTES inputs as text (see Backend.bytes_as_text)."""
         def spec(t) -> TensorSpec:
             dtype = datatypes.BY_CONFIG[mc.DataType.Name(t.data_type)]
-            return TensorSpec(t.name, dtype, tuple(t.dims), getattr(t, "optional", False))
+            text = text_bytes and dtype.api == "BYTES"
+            return TensorSpec(t.name, dtype, tuple(t.dims), getattr(t, "optional", False), text)
 
         padding = Padding.from_config(config)
         filled = padding.filled if padding else frozenset()
@@ -76,6 +79,8 @@ class Signature:
                 key.append((name, None))
                 continue
             self._check_dtype(spec, value)
+            if spec.text:
+                self._check_text(spec, value)
             shape = value.shape
             if self.batching:
                 if len(shape) < 1 or shape[0] < 1:
@@ -120,3 +125,29 @@ class Signature:
             raise InvalidInputError(
                 f"input '{spec.name}' has shape {list(full_shape)}; model '{self.model}' expects {expected} (-1 = any size)"
             )
+
+    def _check_text(self, spec: TensorSpec, value: np.ndarray) -> None:
+        """Every element UTF-8, checked in one C pass: joined with NUL, which can neither complete nor
+        start a multi-byte sequence, the whole decodes exactly when each element does."""
+        items = value.reshape(-1).tolist()
+        try:
+            b"\x00".join(items).decode("utf-8")
+            return
+        except (TypeError, UnicodeDecodeError):  # TypeError: some elements are str (text already)
+            pass
+        bad = next((i for i, v in enumerate(items) if not _is_utf8(v)), None)
+        if bad is None:
+            return
+        raise InvalidInputError(
+            f"input '{spec.name}' element {bad} is not valid UTF-8; model '{self.model}' reads this BYTES input as text"
+        )
+
+
+def _is_utf8(value) -> bool:
+    if isinstance(value, str):
+        return True
+    try:
+        bytes(value).decode("utf-8")
+        return True
+    except (UnicodeDecodeError, TypeError):
+        return False

@@ -34,6 +34,9 @@ def parameter(config: mc.ModelConfig, key: str, default: str | None = None) -> s
 class Backend(ABC):
     name: str  # as written in a config's `backend` field
     default_filename: str
+    # BYTES inputs reach the model as text (ONNX Runtime's strings): each element must be UTF-8, which
+    # is checked per request at decode, so one client's bad bytes never fail a batch.
+    bytes_as_text: bool = False
     instance: int = 0  # index among its model version's instances (0..count-1), set by the loader
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):

@@ -62,6 +62,7 @@ def _tensor_info(value) -> tuple[datatypes.DataType, list[int]]:
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     default_filename = "model.onnx"
+    bytes_as_text = True
 
     @classmethod
     def cuda_devices(cls) -> int:

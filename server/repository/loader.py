@@ -101,7 +101,7 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     if config.max_batch_size > 0 and config.WhichOneof("scheduling_choice") is None and not base.input:
         config.dynamic_batching.SetInParent()  # auto-completed batching models batch dynamically (as Triton)
     config_io.validate(config, source)
-    entry.config, entry.signature = config, Signature.from_config(config)
+    entry.config, entry.signature = config, Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
     for index, device in enumerate(_devices(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
         backend.instance = index

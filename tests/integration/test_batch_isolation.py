@@ -44,6 +44,13 @@ def gather_model(path: Path) -> None:
                        [builders.tensor("Y", TensorProto.FLOAT, ["batch", 1, 4])], path, [table])
 
 
+def string_identity(path: Path) -> None:
+    """IN [batch, n] STRING -> OUT: ONNX Runtime reads strings as text."""
+    builders.save_onnx([helper.make_node("Identity", ["IN"], ["OUT"])],
+                       [builders.tensor("IN", TensorProto.STRING, ["batch", "n"])],
+                       [builders.tensor("OUT", TensorProto.STRING, ["batch", "n"])], path)
+
+
 def raising_torchscript(folder: Path) -> None:
     import torch
 
@@ -70,6 +77,9 @@ def server(tmp_path_factory):
     (repo / "python" / "1").mkdir(parents=True)
     (repo / "python" / "1" / "model.py").write_text(RAISING_MODEL)
     (repo / "python" / "config.yaml").write_text("backend: python\n" + WINDOW + IO)
+    string_identity(repo / "strings" / "1" / "model.onnx")
+    (repo / "strings" / "config.yaml").write_text(
+        "max_batch_size: 16\ndynamic_batching: {max_queue_delay_microseconds: 5000}\n")
     server = RunningServer(repo)
     yield server
     server.stop()
@@ -110,3 +120,24 @@ def test_a_poisoned_request_fails_alone_and_its_batch_neighbours_are_answered(se
     assert server.metric("ferry_batch_reruns", model=model) == 2 * 4
     assert server.metric("nv_inference_request_failure", model=model, reason="BACKEND") == 1
     assert server.metric("nv_inference_request_success", model=model) == BATCH - 1
+
+
+def test_invalid_utf8_for_a_text_model_is_refused_at_decode_and_never_reaches_a_batch(server):
+    """ONNX Runtime reads BYTES as text. Five requests with invalid UTF-8 among 300 good ones: each bad
+    one is INVALID_ARGUMENT at decode (before it can join a batch), every good one is answered."""
+    good = [np.array([[f"ferry {i}".encode(), "été".encode()]], dtype=object) for i in range(300)]
+    bad = [np.array([[b"ok", b"\xff\xfe" + bytes([i])]], dtype=object) for i in range(5)]
+    inputs = good[:]
+    for k, x in enumerate(bad):
+        inputs.insert(60 * k + 7, x)
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(lambda x: call(server, "strings", {"IN": x}), inputs))
+    for x, got in zip(inputs, results):
+        if any(x is b for b in bad):
+            assert isinstance(got, grpc.RpcError) and got.code() == grpc.StatusCode.INVALID_ARGUMENT, got
+            assert "'IN' element 1 is not valid UTF-8" in got.details()
+        else:
+            assert not isinstance(got, grpc.RpcError), got.details()
+            assert got["OUT"].tolist() == x.tolist()
+    assert server.metric("ferry_batch_reruns", model="strings") == 0  # no batch ever failed
+    assert server.metric("nv_inference_request_success", model="strings") == 300

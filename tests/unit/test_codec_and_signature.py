@@ -99,3 +99,23 @@ def test_typed_narrow_integers_out_of_range_are_refused():
         codec.decode_inputs(request)
     tensor.contents.int_contents[1] = -128
     assert codec.decode_inputs(request)["x"].tolist() == [1, -128]
+
+
+@pytest.mark.parametrize("elements, bad", [
+    ([b"caf\xc3\xa9", b"ok"], None),
+    ([b"\xc3", b"\xa9"], 0),  # a character split across two elements: each alone is invalid
+    ([b"fine", b"\xa9tail"], 1),  # a stray continuation byte at an element's start
+    ([b"nul\x00inside", "text"], None),  # NUL is valid UTF-8; str elements are text already
+])
+def test_text_bytes_inputs_are_checked_for_utf8_per_element(elements, bad):
+    config = mc.ModelConfig(name="m", max_batch_size=4)
+    config.input.add(name="s", data_type=mc.TYPE_STRING, dims=[-1])
+    config.output.add(name="o", data_type=mc.TYPE_STRING, dims=[-1])
+    value = np.array([elements], dtype=object)
+    Signature.from_config(config).check_inputs({"s": value})  # a model that takes BYTES as bytes: no check
+    text = Signature.from_config(config, text_bytes=True)
+    if bad is None:
+        assert text.check_inputs({"s": value})[0] == 1
+    else:
+        with pytest.raises(InvalidInputError, match=f"'s' element {bad} is not valid UTF-8"):
+            text.check_inputs({"s": value})
