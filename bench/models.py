@@ -107,3 +107,19 @@ def string_identity(path: Path) -> Path:
     return _save([helper.make_node("Identity", ["IN"], ["OUT"])],
                  [helper.make_tensor_value_info("IN", TensorProto.STRING, ["batch", "n"])],
                  [helper.make_tensor_value_info("OUT", TensorProto.STRING, ["batch", "n"])], [], path)
+
+
+def wide_mlp(path: Path, width: int = 4096, layers: int = 2, seed: int = 0) -> Path:
+    """x [-1, width] -> `layers` width x width MatMuls -> y [-1, 16]: every request reads all the
+    weights (134 MB at the defaults), so one instance serves tens of requests/s; a model whose capacity
+    a client on the same machine can exceed tenfold, for overload runs."""
+    rng = np.random.default_rng(seed)
+    inits, nodes, prev = [], [], "x"
+    for i in range(layers):
+        inits.append(_weights(rng, f"W{i}", (width, width)))
+        nodes += [helper.make_node("MatMul", [prev, f"W{i}"], [f"m{i}"]), helper.make_node("Relu", [f"m{i}"], [f"r{i}"])]
+        prev = f"r{i}"
+    inits.append(_weights(rng, "Wout", (width, 16)))
+    nodes.append(helper.make_node("MatMul", [prev, "Wout"], ["y"]))
+    return _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits, path)

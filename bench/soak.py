@@ -43,6 +43,13 @@ BUG_CODES = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
 LIGHT_CONFIG = """max_batch_size: 64
 dynamic_batching: {max_queue_delay_microseconds: 2000, default_queue_policy: {max_queue_size: 256}}
 """
+# Overload target: one instance, no batching, a queue of 64: its capacity (tens of requests/s) is
+# what a client on the same two cores can exceed tenfold without becoming the bottleneck itself.
+SLOW_QUEUE = 64
+SLOW_CONFIG = f"""max_batch_size: 1
+dynamic_batching: {{default_queue_policy: {{max_queue_size: {SLOW_QUEUE}}}}}
+parameters: {{intra_op_thread_count: {{string_value: "1"}}}}
+"""  # one core for the model, one for the server's loop and the client
 STRINGS_CONFIG = """max_batch_size: 16
 dynamic_batching: {max_queue_delay_microseconds: 5000}
 input [{name: "IN", data_type: TYPE_STRING, dims: [-1]}]
@@ -54,6 +61,8 @@ output [{name: "OUT", data_type: TYPE_STRING, dims: [-1]}]
 def build_repository(root: Path) -> Path:
     models.light_mlp(root / "light" / "1" / "model.onnx")
     (root / "light" / "config.yaml").write_text(LIGHT_CONFIG)
+    models.wide_mlp(root / "slow" / "1" / "model.onnx")
+    (root / "slow" / "config.yaml").write_text(SLOW_CONFIG)
     models.string_identity(root / "strings" / "1" / "model.onnx")
     (root / "strings" / "config.pbtxt").write_text(STRINGS_CONFIG)
     tiny_llm(root / "llm" / "1")
@@ -257,9 +266,14 @@ async def poisoned_generation(channel) -> dict:
 
 
 # ------------------------------------------------------------------ 3. overload
-async def capacity(server: Server, seconds: float) -> float:
-    body = valid_bodies(np.random.default_rng(1))[0]
-    done = 0
+def slow_body() -> bytes:
+    x = np.random.default_rng(3).standard_normal((1, 4096)).astype(np.float32)
+    return infer_request("slow", {"x": x}).SerializeToString()
+
+
+async def capacity(server: Server, seconds: float, concurrency: int = 8) -> float:
+    """Closed loop: requests/s the slow model answers with a few callers always waiting."""
+    body, done = slow_body(), 0
     async with grpc.aio.insecure_channel(server.address) as channel:
         stop = time.monotonic() + seconds
 
@@ -269,36 +283,36 @@ async def capacity(server: Server, seconds: float) -> float:
                 code, _ = await call(channel, body)  # awaited first: `done += await ...` loses updates
                 done += code == grpc.StatusCode.OK
 
-        await asyncio.gather(*(worker() for _ in range(64)))
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
     return done / seconds
 
 
 async def overload(server: Server, rate: float, seconds: float) -> dict:
     """Open loop: requests start on a schedule whatever the server does (bounded by `seconds`)."""
-    body = valid_bodies(np.random.default_rng(2))[0]
-    latencies, statuses = [], collections.Counter()
+    body = slow_body()
+    latencies, refusal_ms, statuses = [], [], collections.Counter()
     rss_before = server.memory_mb()
     async with grpc.aio.insecure_channel(server.address) as channel:
         async def one():
             start = time.perf_counter()
-            code, _ = await call(channel, body, timeout_s=60)
+            code, _ = await call(channel, body, timeout_s=120)
             statuses[code.name] += 1
-            if code == grpc.StatusCode.OK:
-                latencies.append(time.perf_counter() - start)
+            (latencies if code == grpc.StatusCode.OK else refusal_ms).append(time.perf_counter() - start)
 
         tasks, start, sent = [], time.monotonic(), 0
         while (elapsed := time.monotonic() - start) < seconds:
-            due = int(elapsed * rate)
-            while sent < due:
+            while sent < int(elapsed * rate):
                 tasks.append(asyncio.ensure_future(one()))
                 sent += 1
             await asyncio.sleep(0.002)
         await asyncio.gather(*tasks)
-    lat = np.array(latencies) * 1e3 if latencies else np.array([float("nan")])
+    lat = np.array(latencies or [float("nan")]) * 1e3
+    refused = np.array(refusal_ms or [float("nan")]) * 1e3
     return {"offered_rps": round(sent / seconds), "admitted_ok": len(latencies),
             "refused_unavailable": statuses.get("UNAVAILABLE", 0), "statuses": dict(statuses.most_common()),
             "admitted_p50_ms": round(float(np.percentile(lat, 50)), 1),
             "admitted_p99_ms": round(float(np.percentile(lat, 99)), 1),
+            "refusal_p99_ms": round(float(np.percentile(refused, 99)), 1),
             "rss_before_mb": round(rss_before), "peak_rss_mb": round(server.memory_mb("VmHWM"))}
 
 
@@ -363,9 +377,11 @@ def main() -> None:
         f"8 good streams beside temperature NaN/1e-40/inf: good failed {poisoned['generation_good_failed']}, bad "
         f"answered {poisoned['generation_bad_statuses']}",
         f"Overload at {args.overload_factor:g}x capacity ({over['capacity_rps']} req/s measured, "
-        f"{over['offered_rps']} req/s offered for {args.overload_seconds:g} s, queue bounded at 256): admitted "
-        f"{over['admitted_ok']}, refused UNAVAILABLE {over['refused_unavailable']}, statuses {over['statuses']}, "
-        f"admitted p50 {over['admitted_p50_ms']} ms / p99 {over['admitted_p99_ms']} ms, peak RSS {over['peak_rss_mb']} MB",
+        f"{over['offered_rps']} req/s offered for {args.overload_seconds:g} s to one instance of bench.models.wide_mlp, "
+        f"queue bounded at {SLOW_QUEUE}): admitted {over['admitted_ok']}, refused UNAVAILABLE "
+        f"{over['refused_unavailable']} (p99 {over['refusal_p99_ms']} ms to the refusal), statuses {over['statuses']}, "
+        f"admitted p50 {over['admitted_p50_ms']} ms / p99 {over['admitted_p99_ms']} ms, RSS {over['rss_before_mb']} MB "
+        f"before, peak {over['peak_rss_mb']} MB",
         f"Cancelled streams: {streams['cancelled_streams']}, KV blocks in use afterwards: "
         f"{streams['kv_blocks_used_after']:g}, counted CANCELED: {streams['cancelled_counted']:g}",
         f"Server RSS: {rss_start:.0f} MB at start, {rss_end:.0f} MB at the end",
