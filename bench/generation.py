@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench import common
+from bench import common, models
 from protos import generate_pb2 as gen
 from protos import generate_pb2_grpc as gen_grpc
 
@@ -38,19 +38,7 @@ STATIC_BATCH = 16
 
 
 def build_model(folder: Path) -> None:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=2048, hidden_size=512, intermediate_size=1376, num_hidden_layers=6,
-                                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                                      bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
-    vocab = {f"t{i}": i for i in range(2048)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
+    models.random_llama(folder, vocab=2048, hidden=512, intermediate=1376, layers=6, heads=8, kv_heads=4)
 
 
 def workload(count: int, seed: int = 0) -> list[tuple[list[int], int]]:

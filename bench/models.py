@@ -123,3 +123,24 @@ def wide_mlp(path: Path, width: int = 4096, layers: int = 2, seed: int = 0) -> P
     nodes.append(helper.make_node("MatMul", [prev, "Wout"], ["y"]))
     return _save(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits, path)
+
+
+def random_llama(folder: Path, vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                 max_positions: int = 1024) -> Path:
+    """A seeded random Llama saved by transformers, with a word-level tokenizer ("t0 t1 ..." -> ids)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+    from tokenizers import models as tokenizer_models
+    from tokenizers import pre_tokenizers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                      max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=1,
+                                      tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    tok = Tokenizer(tokenizer_models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+    return folder

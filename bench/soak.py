@@ -65,25 +65,10 @@ def build_repository(root: Path) -> Path:
     (root / "slow" / "config.yaml").write_text(SLOW_CONFIG)
     models.string_identity(root / "strings" / "1" / "model.onnx")
     (root / "strings" / "config.pbtxt").write_text(STRINGS_CONFIG)
-    tiny_llm(root / "llm" / "1")
+    models.random_llama(root / "llm" / "1", vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)
     (root / "llm" / "config.yaml").write_text(
         'backend: llm\ngeneration: {block_size: 16, num_kv_blocks: 512, max_num_seqs: 32}\n')
     return root
-
-
-def tiny_llm(folder: Path) -> None:
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
-    tok = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t2"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(folder / "tokenizer.json"))
 
 
 # ------------------------------------------------------------------ the server's side
