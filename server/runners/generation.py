@@ -9,6 +9,7 @@ back from the scheduler's postprocess; the runner adds only text-level stop stri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -23,10 +24,12 @@ from server.generation_metrics import GenerationStats
 from server.metrics import ModelStats
 from server.runners.base import GENERATE, RunnerBase
 from server.runners.sampling import sampling_params
+from server.scheduling.budget import ByteBudget
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.sequence import SamplingParams, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
+BYTES_PER_TOKEN = 8  # what a queued prompt is charged to the byte budgets per token (its KV cache is bounded apart)
 
 
 @dataclass(slots=True)
@@ -84,8 +87,8 @@ class GenerationRunner(RunnerBase):
     serves = GENERATE
 
     def __init__(self, name: str, version: int, backend: LLMBackend, scheduler: ContinuousScheduler,
-                 stats: ModelStats, gen_stats: GenerationStats, default_max_tokens: int):
-        super().__init__(name, version, stats)
+                 stats: ModelStats, gen_stats: GenerationStats, default_max_tokens: int, budget: ByteBudget | None = None):
+        super().__init__(name, version, stats, budget)
         self.backend = backend
         self.scheduler = scheduler
         self.gen_stats = gen_stats
@@ -114,6 +117,16 @@ class GenerationRunner(RunnerBase):
         """Stream events for one request; leaving the iteration early (client gone) cancels it."""
         self._admit_check()
         prompt_ids = request.prompt_ids
+        nbytes = len(prompt_ids) * BYTES_PER_TOKEN
+        self._take_bytes(nbytes, request.arrival_ns)
+        try:
+            async with contextlib.aclosing(self._stream(request, prompt_ids)) as events:  # closed now, not at GC
+                async for event in events:
+                    yield event
+        finally:
+            self._give_bytes(nbytes)
+
+    async def _stream(self, request: GenerationRequest, prompt_ids: list[int]) -> AsyncIterator[GenerationEvent]:
         seq = Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), request.sampling,
                        priority=request.priority or 1, arrival_ns=request.arrival_ns, deadline_ns=request.deadline_ns)
         stream = _Stream(asyncio.Queue(), IncrementalDetokenizer(self.backend.tokenizer, prompt_ids),
