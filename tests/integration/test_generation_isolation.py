@@ -74,6 +74,7 @@ def test_a_raising_sequence_fails_alone_and_its_neighbours_match_their_solo_outp
     assert server.metric("ferry_generation_step_reruns_total", model=MODEL) > 0
     server.wait_for_metric("ferry_kv_blocks_used", 0, timeout_s=60, model=MODEL)
     assert server.metric("ferry_generation_running", model=MODEL) == 0
+    server.wait_for_metric("ferry_queued_bytes", 0, timeout_s=60, model=MODEL)  # answered, failed, cancelled: all given back
 
     alone = [tokens(server.channel, *case) for case in good]  # no poisoned neighbour, one at a time
     assert together == alone
