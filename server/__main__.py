@@ -25,6 +25,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--default-max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="max_batch_size for auto-completed configs")
     p.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="per model version: refuse beyond this many queued requests even if max_queue_size is 0")
+    p.add_argument("--max-queued-bytes", type=int, default=None,
+                   help="refuse requests beyond this much queued input data in the whole server "
+                        "(default: a quarter of the machine's memory; 0: no limit)")
+    p.add_argument("--max-model-queued-bytes", type=int, default=None,
+                   help="... per model version (default: half of --max-queued-bytes; 0: only the server's limit)")
     p.add_argument("--max-concurrent-rpcs", type=int, default=16_384, help="gRPC refuses more in-flight calls (0: no limit)")
     p.add_argument("--poll-repository-seconds", type=float, default=0.0,
                    help="hot reload: poll the repository this often and (re)load changed models (0: off)")
@@ -60,6 +65,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_ca and not args.tls_cert:
         parser.error("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for flag, value in (("--max-queued-bytes", args.max_queued_bytes), ("--max-model-queued-bytes", args.max_model_queued_bytes)):
+        if value is not None and value < 0:
+            parser.error(f"{flag} must be 0 (no limit) or a number of bytes, got {value}")
     try:
         tokens = Tokens(read_tokens(args.auth_token_file, os.environ.get("FERRY_AUTH_TOKEN")),
                         read_tokens(args.admin_token_file, os.environ.get("FERRY_ADMIN_TOKEN")))
@@ -75,6 +83,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         default_max_batch_size=args.default_max_batch_size,
         max_queued_requests=args.max_queued_requests,
+        max_queued_bytes=args.max_queued_bytes,
+        max_model_queued_bytes=args.max_model_queued_bytes,
         drain_grace_s=args.drain_grace_seconds,
         poll_repository_s=args.poll_repository_seconds,
         tokens=tokens,

@@ -11,7 +11,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
 
 from server import heap
-from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
+from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
 from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
 from server.repository.registry import Registry
@@ -22,6 +22,7 @@ from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
 from server.runners.factory import RunnerFactory
+from server.scheduling.budget import ByteBudget
 
 log = logging.getLogger("ferry")
 QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
@@ -34,6 +35,8 @@ class ServerConfig:
     metrics_port: int | None = 8002  # None: no metrics endpoint
     default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
     max_queued_requests: int = MAX_QUEUED_REQUESTS
+    max_queued_bytes: int | None = None  # request data queued in the whole server; None: a quarter of memory, 0: no bound
+    max_model_queued_bytes: int | None = None  # ... per model version; None: half the server's, 0: only the server's
     drain_grace_s: float = DRAIN_GRACE_S
     poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
     tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
@@ -46,14 +49,28 @@ class ServerHealth:
     ready: bool = False
 
 
+def byte_budgets(config: ServerConfig) -> tuple[ByteBudget, int]:
+    """The server's byte budget and each model version's limit within it, defaults resolved once."""
+    server = max_queued_bytes() if config.max_queued_bytes is None else config.max_queued_bytes
+    model = max_model_queued_bytes(server) if config.max_model_queued_bytes is None else config.max_model_queued_bytes
+    log.info("queued request data bounded at %s for the server, %s per model version",
+             _limit(server), _limit(model))
+    return ByteBudget(server, "the server"), model
+
+
+def _limit(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes else "no limit"
+
+
 async def run(config: ServerConfig, started: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM, then drain: refuse new work, finish admitted work, exit."""
     health = ServerHealth()
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
-    factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests)
+    server_budget, model_bytes = byte_budgets(config)
+    factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes)
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
-    prom.register(StatsCollector(registry.stats))
+    prom.register(StatsCollector(registry.stats, lambda: server_budget.held))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
     rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health)),

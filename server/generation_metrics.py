@@ -26,6 +26,8 @@ class GenerationFamilies:
         self.kv_total = gauge("ferry_kv_blocks_total", "KV cache blocks in the pool")
         self.fragmentation = gauge("ferry_kv_fragmentation", "Allocated but unfilled KV slots / allocated slots")
         self.preemptions = Counter("ferry_preemptions", "Sequences preempted (freed and later recomputed)", _LABELS, registry=registry)
+        self.step_reruns = Counter("ferry_generation_step_reruns", "Extra model passes spent isolating the sequences "
+                                   "a raising step failed on (the others were kept)", _LABELS, registry=registry)
         self.queue_us = histogram("ferry_generation_queue_duration_us", "Arrival to first scheduled step")
         self.ttft_us = histogram("ferry_time_to_first_token_us", "Arrival to first generated token")
         self.itl_us = histogram("ferry_inter_token_latency_us", "Time between consecutive tokens of a sequence")
@@ -37,11 +39,12 @@ class GenerationStats:
 
     def __init__(self, families: GenerationFamilies | None, model: str, version: int):
         self.preemptions = 0
+        self.step_reruns = 0
         self._c = None
         if families is not None:
             labels = {"model": model, "version": str(version)}
             self._c = {name: getattr(families, name).labels(**labels) for name in (
-                "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions",
+                "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
                 "queue_us", "ttft_us", "itl_us", "e2e_us")}
 
     def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int, fragmentation: float, preemptions: int) -> None:
@@ -52,6 +55,11 @@ class GenerationStats:
                 self._c[name].set(value)
             if added:
                 self._c["preemptions"].inc(added)
+
+    def count_reruns(self, passes: int) -> None:
+        self.step_reruns += passes
+        if self._c:
+            self._c["step_reruns"].inc(passes)
 
     def observe(self, name: str, ns: int) -> None:
         if self._c:

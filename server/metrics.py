@@ -66,6 +66,7 @@ class ModelStats:
         self.failures: Counter[str] = Counter()  # by reason: REJECTED, BACKEND, CANCELED
         self.deadline_misses = self.pending = self.window_ns = 0
         self.batch_reruns = 0  # runs spent splitting failed batches (runners/isolation.py)
+        self.queued_bytes = 0  # request data held by admitted, unanswered requests (its byte budget's view)
         self.batches: dict[int, BatchTimes] = {}
         self.padded_elements = self.computed_elements = 0  # positions along a variable length
         self.bucket_batches: dict[int, Counter[int]] = {}  # cost bucket -> batch size -> batches
@@ -142,6 +143,7 @@ class ModelStats:
                 "last_inference": self.last_inference_ms, "failures": dict(self.failures),
                 "deadline_misses": self.deadline_misses, "pending": self.pending, "window_ns": self.window_ns,
                 "batch_reruns": self.batch_reruns,
+                "queued_bytes": self.queued_bytes,
                 "padded_elements": self.padded_elements, "computed_elements": self.computed_elements,
                 "bucket_batches": {b: dict(sizes) for b, sizes in sorted(self.bucket_batches.items())},
                 "buckets": list(self.buckets),
@@ -163,6 +165,8 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
     ("nv_inference_compute_infer_duration_us", "counter", "Cumulative model execution time", lambda s: s["compute_infer"][1] / 1000),
     ("nv_inference_compute_output_duration_us", "counter", "Cumulative output extraction time", lambda s: s["compute_output"][1] / 1000),
     ("nv_inference_pending_request_count", "gauge", "Requests queued, not yet executing", lambda s: s["pending"]),
+    ("ferry_queued_bytes", "gauge", "Input data held by admitted requests not yet answered (queued or running)",
+     lambda s: s["queued_bytes"]),
     ("ferry_deadline_misses", "counter", "Requests whose deadline passed while queued (rejected or run late)",
      lambda s: s["deadline_misses"]),
     ("ferry_batch_reruns", "counter", "Backend runs spent splitting failed batches until the failing requests ran alone",
@@ -179,10 +183,11 @@ FAILURE_REASONS = ("REJECTED", "BACKEND", "CANCELED", "OTHER")
 
 
 class StatsCollector(Collector):
-    """Renders every ModelStats on each scrape."""
+    """Renders every ModelStats on each scrape, and the server's own byte budget."""
 
-    def __init__(self, stats: Callable[[], Iterable[ModelStats]]):
+    def __init__(self, stats: Callable[[], Iterable[ModelStats]], server_queued_bytes: Callable[[], int] | None = None):
         self._stats = stats
+        self._server_queued_bytes = server_queued_bytes
 
     def collect(self):
         snapshots = [(s, s.snapshot()) for s in self._stats()]
@@ -198,6 +203,10 @@ class StatsCollector(Collector):
                 failure.add_sample("nv_inference_request_failure", labels, snap["failures"].get(reason, 0))
         yield failure
         yield from _bucket_families(snapshots)
+        if self._server_queued_bytes is not None:
+            held = Metric("ferry_server_queued_bytes", "Input data held by admitted requests, all models", "gauge")
+            held.add_sample("ferry_server_queued_bytes", {}, self._server_queued_bytes())
+            yield held
 
 
 def _bucket_families(snapshots: list[tuple[ModelStats, dict]]):

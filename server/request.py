@@ -31,6 +31,7 @@ class InferRequest:
     timeout_action: str = "REJECT"  # what the queue does at the deadline: REJECT or DELAY
     length: int = 0  # along the model's variable-length dimension (0: the model has none)
     cost: float = 0.0  # the request's `cost` parameter, per row (0: derive it from the length)
+    nbytes: int = 0  # the input data it holds while queued, charged to its model's and the server's byte budget
     group_key: tuple | None = None  # the queue group holding it; written only by scheduling.queue
     slot: Any = None  # the queue lane holding it while queued; written only by scheduling.queue
     lane: int = 0  # that lane's rank: level - 1, or one past the lowest level once DELAYed

@@ -28,8 +28,9 @@ def pytest_collection_modifyitems(config, items):
 class RunningServer:
     """A `ferry serve` subprocess; its stdout is collected so tests can read what it printed."""
 
-    def __init__(self, repo: Path, *extra: str, timeout_s: float = 90):
-        cmd = [sys.executable, "-m", "server", "serve", "--model-repository", str(repo),
+    def __init__(self, repo: Path, *extra: str, timeout_s: float = 90, module: str = "server"):
+        """`module`: what `python -m` runs; a test launcher may register a test backend, then run Ferry's main."""
+        cmd = [sys.executable, "-m", module, "serve", "--model-repository", str(repo),
                "--grpc-port", "0", "--metrics-port", "0", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})

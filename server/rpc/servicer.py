@@ -136,8 +136,15 @@ def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, re
         model_name=mv.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request.id,
         requested_outputs=requested, parameters=params, priority=priority, timeout_us=timeout_us,
         deadline_ns=arrival_ns + int(remaining_s * 1e9) if remaining_s is not None else None,
-        arrival_ns=arrival_ns, length=mv.signature.length(inputs), cost=float(cost),
+        arrival_ns=arrival_ns, length=mv.signature.length(inputs), cost=float(cost), nbytes=_nbytes(request, inputs),
     )
+
+
+def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
+    """The input data a queued request holds: raw contents are viewed in place, typed ones were decoded."""
+    if request.raw_input_contents:
+        return sum(map(len, request.raw_input_contents))
+    return sum(array.nbytes for array in inputs.values())
 
 
 def _statistics(mv: ModelVersion) -> pb.ModelStatistics:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Protocol
 
-from server.errors import ModelUnavailableError
+from server.errors import ModelUnavailableError, QueueFullError
 from server.metrics import ModelStats
+from server.scheduling.budget import ByteBudget
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,20 @@ class Runner(Protocol):
     def start(self) -> None:
         """Start serving, on the running event loop."""
 
+    def _take_bytes(self, nbytes: int, arrival_ns: int) -> None:
+        """Charge an admitted request's data to the byte budgets, or refuse it (UNAVAILABLE) as a full queue is."""
+        try:
+            self.budget.take(nbytes)
+        except QueueFullError:
+            self.stats.record_done(time.monotonic_ns() - arrival_ns, ok=False, reason="REJECTED")
+            raise
+        self.stats.queued_bytes = self.budget.held
+
+    def _give_bytes(self, nbytes: int) -> None:
+        """The request is answered (whatever the outcome): its data no longer counts."""
+        self.budget.give(nbytes)
+        self.stats.queued_bytes = self.budget.held
+
     async def close(self, grace_s: float) -> None:
         """Stop admitting; finish admitted work within `grace_s`; answer the rest UNAVAILABLE; release."""
 
@@ -39,9 +55,10 @@ class RunnerBase:
 
     serves = ""
 
-    def __init__(self, name: str, version: int, stats: ModelStats):
+    def __init__(self, name: str, version: int, stats: ModelStats, budget: ByteBudget | None = None):
         self.name, self.version = name, version
         self.stats = stats
+        self.budget = budget or ByteBudget(0, f"model '{name}' version {version}")
         self._wake = asyncio.Event()
         self._accepting = True
         self._task: asyncio.Task | None = None
@@ -61,6 +78,20 @@ class RunnerBase:
     def _admit_check(self) -> None:
         if not self._accepting:
             raise ModelUnavailableError(f"model '{self.name}' version {self.version} has stopped accepting requests")
+
+    def _take_bytes(self, nbytes: int, arrival_ns: int) -> None:
+        """Charge an admitted request's data to the byte budgets, or refuse it (UNAVAILABLE) as a full queue is."""
+        try:
+            self.budget.take(nbytes)
+        except QueueFullError:
+            self.stats.record_done(time.monotonic_ns() - arrival_ns, ok=False, reason="REJECTED")
+            raise
+        self.stats.queued_bytes = self.budget.held
+
+    def _give_bytes(self, nbytes: int) -> None:
+        """The request is answered (whatever the outcome): its data no longer counts."""
+        self.budget.give(nbytes)
+        self.stats.queued_bytes = self.budget.held
 
     async def close(self, grace_s: float) -> None:
         self._accepting = False

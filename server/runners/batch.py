@@ -21,6 +21,7 @@ from server.runners.base import INFER, RunnerBase
 from server.runners.isolation import run_isolated
 from server.runners.ordering import ResponseOrder
 from server.scheduling.base import Scheduler
+from server.scheduling.budget import ByteBudget
 from server.worker import BatchResult, Worker
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,8 @@ class ModelRunner(RunnerBase):
     serves = INFER
 
     def __init__(self, name: str, version: int, scheduler: Scheduler, workers: list[Worker], stats: ModelStats,
-                 preserve_ordering: bool = False):
-        super().__init__(name, version, stats)
+                 preserve_ordering: bool = False, budget: ByteBudget | None = None):
+        super().__init__(name, version, stats, budget)
         self.scheduler = scheduler
         self.workers = workers
         self._order = ResponseOrder() if preserve_ordering else None
@@ -49,6 +50,13 @@ class ModelRunner(RunnerBase):
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Queue a request and wait for its outputs; a cancelled caller leaves the queue."""
         self._admit_check()
+        self._take_bytes(request.nbytes, request.arrival_ns)
+        try:
+            return await self._queue_and_wait(request)
+        finally:
+            self._give_bytes(request.nbytes)
+
+    async def _queue_and_wait(self, request: InferRequest) -> dict[str, np.ndarray]:
         request.future = asyncio.get_running_loop().create_future()
         try:
             self.scheduler.submit(request, time.monotonic_ns())

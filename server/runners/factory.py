@@ -6,7 +6,7 @@ what comes back only as a `Runner`. A new model kind is one more branch here and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from protos import model_config_pb2 as mc
@@ -20,6 +20,7 @@ from server.runners.generation import GenerationRunner
 from server.runners.settings import batching_settings, binpack_settings, generation_settings, request_queue
 from server.scheduling.base import Scheduler
 from server.scheduling.binpack import BinPackBatcher
+from server.scheduling.budget import ByteBudget
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.dynamic import DynamicBatcher
 from server.scheduling.kv_blocks import KVBlockPool
@@ -31,21 +32,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class RunnerFactory:
-    """What every runner shares (metric families, the server-wide queue cap); called once per version."""
+    """What every runner shares (metric families, the server-wide queue caps); called once per version."""
 
     histograms: Histograms | None = None
     generation_families: GenerationFamilies | None = None
     max_queued: int = MAX_QUEUED_REQUESTS
+    server_budget: ByteBudget = field(default_factory=lambda: ByteBudget(0, "the server"))
+    max_model_queued_bytes: int = 0  # per version, within the server's budget (0: only the server's)
 
     def __call__(self, name: str, entry: LoadedVersion) -> Runner:
         """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
         stats = ModelStats(name, entry.version, self.histograms)
+        budget = ByteBudget(self.max_model_queued_bytes, f"model '{name}' version {entry.version}", self.server_budget)
         if entry.config.backend == "llm":
             gen_stats = GenerationStats(self.generation_families, name, entry.version)
-            return generation_runner(name, entry, stats, gen_stats)
+            return generation_runner(name, entry, stats, gen_stats, budget)
         workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
-                           preserve_ordering=entry.config.dynamic_batching.preserve_ordering)
+                           preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget)
 
 
 def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUESTS) -> Scheduler:
@@ -56,11 +60,13 @@ def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUEST
     return DynamicBatcher(settings, queue)
 
 
-def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats) -> GenerationRunner:
+def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats,
+                      budget: ByteBudget | None = None) -> GenerationRunner:
     if len(entry.backends) != 1:
         raise ConfigError(f"model '{name}': a generation model runs exactly one instance (instance_group count 1)")
     backend = entry.backends[0]
     settings = generation_settings(entry.config.generation, backend.max_model_len, backend.num_kv_blocks,
                                    frozenset(backend.eos_token_ids))
     scheduler = ContinuousScheduler(settings.continuous, KVBlockPool(backend.num_kv_blocks, backend.settings.block_size))
-    return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens)
+    return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens,
+                            budget)

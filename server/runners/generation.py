@@ -9,6 +9,7 @@ back from the scheduler's postprocess; the runner adds only text-level stop stri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -23,10 +24,13 @@ from server.generation_metrics import GenerationStats
 from server.metrics import ModelStats
 from server.runners.base import GENERATE, RunnerBase
 from server.runners.sampling import sampling_params
+from server.runners.step_isolation import StepOutcome, run_step_isolated
+from server.scheduling.budget import ByteBudget
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.sequence import SamplingParams, Sequence, SeqStatus
 
 log = logging.getLogger(__name__)
+BYTES_PER_TOKEN = 8  # what a queued prompt is charged to the byte budgets per token (its KV cache is bounded apart)
 
 
 @dataclass(slots=True)
@@ -84,8 +88,8 @@ class GenerationRunner(RunnerBase):
     serves = GENERATE
 
     def __init__(self, name: str, version: int, backend: LLMBackend, scheduler: ContinuousScheduler,
-                 stats: ModelStats, gen_stats: GenerationStats, default_max_tokens: int):
-        super().__init__(name, version, stats)
+                 stats: ModelStats, gen_stats: GenerationStats, default_max_tokens: int, budget: ByteBudget | None = None):
+        super().__init__(name, version, stats, budget)
         self.backend = backend
         self.scheduler = scheduler
         self.gen_stats = gen_stats
@@ -114,6 +118,16 @@ class GenerationRunner(RunnerBase):
         """Stream events for one request; leaving the iteration early (client gone) cancels it."""
         self._admit_check()
         prompt_ids = request.prompt_ids
+        nbytes = len(prompt_ids) * BYTES_PER_TOKEN
+        self._take_bytes(nbytes, request.arrival_ns)
+        try:
+            async with contextlib.aclosing(self._stream(request, prompt_ids)) as events:  # closed now, not at GC
+                async for event in events:
+                    yield event
+        finally:
+            self._give_bytes(nbytes)
+
+    async def _stream(self, request: GenerationRequest, prompt_ids: list[int]) -> AsyncIterator[GenerationEvent]:
         seq = Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), request.sampling,
                        priority=request.priority or 1, arrival_ns=request.arrival_ns, deadline_ns=request.deadline_ns)
         stream = _Stream(asyncio.Queue(), IncrementalDetokenizer(self.backend.tokenizer, prompt_ids),
@@ -154,21 +168,29 @@ class GenerationRunner(RunnerBase):
                 await self._idle(now)
                 continue
             self._mark_scheduled(plan, now)
-            try:
-                sampled = await loop.run_in_executor(self._thread, self.backend.step, plan)
-            except Exception as exc:  # a failed step fails the sequences in it, not the server
-                log.exception("model '%s': step failed", self.name)
-                for seq, _ in plan.entries:
-                    self.scheduler.finish(seq, "error")
-                    self._fail(seq, BackendError(f"model '{self.name}' failed: {type(exc).__name__}: {exc}"))
-                continue
+            outcome = await loop.run_in_executor(self._thread, run_step_isolated, self.backend.step, plan)
             done = time.monotonic_ns()
-            self.scheduler.postprocess(plan, sampled)
-            self.stats.record_batch(len(sampled), len(plan.entries), 0, done - now, 0)
-            for seq, _ in plan.entries:
+            self._fail_alone(outcome)
+            sampled = outcome.sampled
+            self.scheduler.postprocess(outcome.ran, sampled)
+            if outcome.ran:
+                self.stats.record_batch(len(sampled), len(outcome.ran.entries), 0, done - now, 0)
+            for seq, _ in outcome.ran.entries:
                 token = sampled.get(seq.seq_id)
                 if token is not None and not seq.cancelled:
                     self._emit(seq, token, done)
+
+    def _fail_alone(self, outcome: StepOutcome) -> None:
+        """End the sequences the step raised on by themselves: their blocks go back, their callers get the error."""
+        if outcome.reruns:
+            self.gen_stats.count_reruns(outcome.reruns)
+        for seq, exc in outcome.failed:
+            log.error("model '%s': a step raised on sequence %d alone (found in %d re-runs); failing it",
+                      self.name, seq.seq_id, outcome.reruns, exc_info=exc)
+            self.scheduler.finish(seq, "error")
+            if not seq.handle.done:
+                self._fail(seq, exc if isinstance(exc, FerryError) else
+                           BackendError(f"model '{self.name}' failed: {type(exc).__name__}: {exc}"))
 
     def _mark_scheduled(self, plan, now: int) -> None:
         for seq, _ in plan.entries:
