@@ -30,7 +30,7 @@ class RunningServer:
 
     def __init__(self, repo: Path, *extra: str, timeout_s: float = 90):
         cmd = [sys.executable, "-m", "server", "serve", "--model-repository", str(repo),
-               "--grpc-port", "0", "--metrics-port", "0", *extra]
+               "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
@@ -42,6 +42,9 @@ class RunningServer:
         text = "".join(self.lines)
         self.address = re.search(r"ferry: serving gRPC on (\S+)", text).group(1)
         self.metrics_url = re.search(r"ferry: serving metrics on (\S+)", text).group(1)
+        http = re.search(r"ferry: serving HTTP on (\S+)", text)
+        self.http_address = http.group(1) if http else None  # host:port, as tritonclient.http takes it
+        self.http_url = f"http://{self.http_address}" if http else None
         self.channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
 
