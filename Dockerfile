@@ -25,11 +25,11 @@ RUN pip install --no-cache-dir . \
     && useradd --system --no-create-home --uid 10001 ferry
 
 USER 10001
-EXPOSE 8001 8002
+EXPOSE 8000 8001 8002
 # The check runs `ferry health` (ServerLive + ServerReady, open to probes even with tokens on). With TLS,
 # give it what a client needs, e.g. -e FERRY_HEALTH_ARGS="--root-certs /certs/ca.pem --tls-server-name ferry
 # --client-cert /certs/probe.pem --client-key /certs/probe.key" (the last two only with --tls-ca).
 ENV FERRY_HEALTH_ARGS=""
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s CMD ["sh", "-c", "ferry health --url 127.0.0.1:8001 --timeout 3 $FERRY_HEALTH_ARGS"]
-ENTRYPOINT ["ferry", "serve", "--host", "0.0.0.0", "--grpc-port", "8001", "--metrics-port", "8002"]
+ENTRYPOINT ["ferry", "serve", "--host", "0.0.0.0", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
 CMD ["--model-repository", "/models"]

@@ -47,7 +47,7 @@ def start_server(cmd: list[str], timeout_s: float = 120, lines: list[str] | None
 
 
 def ferry_command(repo: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "server", "serve", "--model-repository", str(repo), "--grpc-port", "0",
+    return [sys.executable, "-m", "server", "serve", "--model-repository", str(repo), "--grpc-port", "0", "--http-port", "0",
             "--metrics-port", "-1", "--log-level", "WARNING", *extra]
 
 

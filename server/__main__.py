@@ -11,17 +11,19 @@ from pathlib import Path
 from clients.cli import add_client_commands
 from server import __version__
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
-from server.rpc.auth import Tokens, read_tokens
+from server.tokens import Tokens, read_tokens
 from server.rpc.server import MAX_MESSAGE_BYTES, RpcOptions
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model repository over gRPC")
+    p = sub.add_parser("serve", help="serve a model repository over gRPC and HTTP")
     p.add_argument("--model-repository", type=Path, required=True, help="folder of <model>/<version>/ folders")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     p.add_argument("--grpc-port", type=int, default=8001, help="0 picks a free port and prints it")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="KServe v2 REST, generate and OpenAI-compatible HTTP port; 0 picks a free port and prints it, -1 disables")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port; 0 picks one, -1 disables")
-    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit")
+    p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit, and the HTTP body limit")
     p.add_argument("--default-max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="max_batch_size for auto-completed configs")
     p.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="per model version: refuse beyond this many queued requests even if max_queue_size is 0")
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command != "serve":
         raise SystemExit(args.run(args))
     from server.app import ServerConfig, run  # here, so client commands never import torch
+    from server.web.server import WebOptions
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not args.model_repository.is_dir():
@@ -89,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         poll_repository_s=args.poll_repository_seconds,
         tokens=tokens,
         metrics_host=args.metrics_host,
+        web=None if args.http_port < 0 else WebOptions(args.host, args.http_port, args.max_message_bytes),
     )
     asyncio.run(run(config))
 

@@ -1,4 +1,4 @@
-"""Wiring: registry(runner factory, drain grace) -> rpc server -> metrics endpoint; ordered start and drain."""
+"""Wiring: registry(runner factory, drain grace) -> front doors (gRPC, HTTP) -> metrics endpoint; ordered start and drain."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, start_
 from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
 from server.generation_metrics import GenerationFamilies
-from server.metrics import Histograms, StatsCollector
+from server.metrics import FrontDoorRequests, Histograms, StatsCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
 from server.rpc.auth import TokenAuth, Tokens
@@ -23,6 +23,7 @@ from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
 from server.runners.factory import RunnerFactory
 from server.scheduling.budget import ByteBudget
+from server.web.server import WebOptions, WebServer
 
 log = logging.getLogger("ferry")
 QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
@@ -41,6 +42,7 @@ class ServerConfig:
     poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
     tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
     metrics_host: str | None = None  # None: the gRPC host
+    web: WebOptions | None = field(default_factory=WebOptions)  # None: no HTTP front door
 
 
 @dataclass(slots=True)
@@ -77,6 +79,11 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
                                  generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
+    web = None
+    if config.web is not None:
+        web = WebServer(config.web, registry, health, gate, config.tokens, FrontDoorRequests(prom))
+        await web.start()
+        print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
     if config.metrics_port is not None:
         metrics_host = config.metrics_host or config.rpc.host
         http, _ = start_http_server(config.metrics_port, addr=metrics_host, registry=prom)
@@ -104,7 +111,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     log.info("draining: refusing new requests, finishing admitted ones (grace %.0fs)", config.drain_grace_s)
     began = loop.time()
     health.ready = False
-    gate.close()  # new calls: UNAVAILABLE at once; gRPC keeps running so none of them is CANCELLED
+    gate.close()  # new calls: UNAVAILABLE / 503 at once; both doors keep running so none of them is cut off
     await rpc.set_serving(False)
     if watcher is not None:
         await watcher.stop()
@@ -116,6 +123,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     log.info("draining: admitted work answered, %d calls refused, callers gone after %.2fs; stopping gRPC",
              gate.refused, loop.time() - began)
     await rpc.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
+    if web is not None:
+        await web.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
     if config.metrics_port is not None:
         http.shutdown()
     print("ferry: stopped", flush=True)

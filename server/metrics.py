@@ -227,3 +227,13 @@ def _bucket_families(snapshots: list[tuple[ModelStats, dict]]):
             sizes.add_sample("ferry_bucket_batch_size_count", labels, sum(counts.values()))
             sizes.add_sample("ferry_bucket_batch_size_sum", labels, sum(size * n for size, n in counts.items()))
     yield from (depth, bound, sizes)
+
+
+class FrontDoorRequests:
+    """HTTP requests by endpoint (the handler's name, so labels stay few) and status code."""
+
+    def __init__(self, registry: CollectorRegistry):
+        from prometheus_client import Counter as PromCounter
+
+        self.http = PromCounter("ferry_http_requests", "HTTP requests answered, by endpoint and status",
+                                ("endpoint", "status"), registry=registry)

@@ -31,7 +31,7 @@ class RunningServer:
     def __init__(self, repo: Path, *extra: str, timeout_s: float = 90, module: str = "server"):
         """`module`: what `python -m` runs; a test launcher may register a test backend, then run Ferry's main."""
         cmd = [sys.executable, "-m", module, "serve", "--model-repository", str(repo),
-               "--grpc-port", "0", "--metrics-port", "0", *extra]
+               "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.lines: list[str] = []
@@ -43,6 +43,9 @@ class RunningServer:
         text = "".join(self.lines)
         self.address = re.search(r"ferry: serving gRPC on (\S+)", text).group(1)
         self.metrics_url = re.search(r"ferry: serving metrics on (\S+)", text).group(1)
+        http = re.search(r"ferry: serving HTTP on (\S+)", text)
+        self.http_address = http.group(1) if http else None  # host:port, as tritonclient.http takes it
+        self.http_url = f"http://{self.http_address}" if http else None
         self.channel = grpc.insecure_channel(self.address, options=[
             ("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)])
 

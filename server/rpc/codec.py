@@ -1,4 +1,4 @@
-"""KServe v2 tensors <-> numpy.
+"""KServe v2 protobuf tensors <-> numpy (raw bytes through server/tensors.py, shared with HTTP).
 
 Raw contents become numpy views over the received bytes (no copy, no per-element Python work);
 typed contents are read by numpy straight from protobuf's repeated fields (np.fromiter, no
@@ -9,15 +9,15 @@ parsed element by element.
 from __future__ import annotations
 
 import math
-import struct
 from typing import Any
 
 import numpy as np
 
 from protos import grpc_service_pb2 as pb
-from server import datatypes
+from server import datatypes, tensors
 from server.errors import InvalidInputError
-from server.names import capped, shown
+from server.names import shown
+from server.tensors import to_raw
 
 # Typed-contents field for each API datatype (FP16 and BF16 have none: raw only).
 _TYPED_FIELD = {
@@ -28,11 +28,8 @@ _TYPED_FIELD = {
 }
 # Request parameters Triton reserves; anything else named triton_* is refused like Triton does.
 _RESERVED_TRITON_KEYS = {"triton_enable_empty_final_response"}
-_LENGTH = struct.Struct("<I")
 _NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
-# Shape bounds, as Triton's int32 limits: no accepted tensor is larger than a gRPC message can carry.
-MAX_DIM = MAX_ELEMENTS = 2**31 - 1
-MAX_RANK = 32
+
 
 
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
@@ -54,45 +51,12 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
             raise InvalidInputError(
                 f"input {shown(tensor.name)} has unknown datatype {shown(tensor.datatype)}; use one of {sorted(datatypes.BY_API)}"
             )
-        shape = _checked_shape(tensor)
+        shape = tensors.checked_shape(tensor.name, tuple(tensor.shape))
         if raw:
-            inputs[tensor.name] = _from_raw(tensor.name, dtype, shape, raw[i])
+            inputs[tensor.name] = tensors.from_raw(tensor.name, dtype, shape, raw[i])
         else:
             inputs[tensor.name] = _from_typed(tensor, dtype, shape)
     return inputs
-
-
-def _checked_shape(tensor) -> tuple[int, ...]:
-    """Per dimension, never per element: each dim in [0, MAX_DIM], at most MAX_RANK of them, and the
-    product of the non-zero dims <= MAX_ELEMENTS, so a zero-size shape like [0, 2**62] is refused
-    here rather than by numpy (whose ValueError would surface as INTERNAL)."""
-    shape = tuple(tensor.shape)
-    if len(shape) > MAX_RANK:
-        raise InvalidInputError(f"input {shown(tensor.name)} has {len(shape)} dimensions; at most {MAX_RANK} are supported")
-    for d in shape:
-        if not 0 <= d <= MAX_DIM:
-            raise InvalidInputError(
-                f"input {shown(tensor.name)} has dimension {d} in shape {_shape(shape)}; each must be within [0, {MAX_DIM}]")
-    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
-        raise InvalidInputError(
-            f"input {shown(tensor.name)}: shape {_shape(shape)} has more than {MAX_ELEMENTS} elements (2**31 - 1)")
-    return shape
-
-
-def _shape(shape: tuple) -> str:
-    return capped(str(list(shape)), 200)
-
-
-def _from_raw(name: str, dtype: datatypes.DataType, shape: tuple, data: bytes) -> np.ndarray:
-    count = math.prod(shape)
-    if dtype.api == "BYTES":
-        return _parse_bytes(name, data, count).reshape(shape)
-    if len(data) != count * dtype.itemsize:
-        raise InvalidInputError(
-            f"input {shown(name)}: raw content is {len(data)} bytes but shape {list(shape)} of {dtype.api} needs "
-            f"{count * dtype.itemsize} bytes"
-        )
-    return np.frombuffer(data, dtype=dtype.numpy).reshape(shape)
 
 
 def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
@@ -117,33 +81,6 @@ def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
     else:
         array = np.fromiter(values, dtype=dtype.numpy, count=count)
     return array.reshape(shape)
-
-
-def _parse_bytes(name: str, data: bytes, count: int) -> np.ndarray:
-    if count * 4 > len(data):  # every element carries a 4-byte length: refuse before allocating
-        raise InvalidInputError(f"input {shown(name)}: {len(data)} bytes cannot hold {count} BYTES elements")
-    out = np.empty(count, dtype=object)
-    view, offset, end = memoryview(data), 0, len(data)
-    for i in range(count):
-        if offset + 4 > end:
-            raise InvalidInputError(f"input {shown(name)}: BYTES content ends after {i} of {count} elements")
-        (length,) = _LENGTH.unpack_from(data, offset)
-        offset += 4
-        if offset + length > end:
-            raise InvalidInputError(f"input {shown(name)}: BYTES element {i} claims {length} bytes past the end of the content")
-        out[i] = bytes(view[offset : offset + length])
-        offset += length
-    if offset != end:
-        raise InvalidInputError(f"input {shown(name)}: {end - offset} bytes left over after {count} BYTES elements")
-    return out
-
-
-def to_raw(array: np.ndarray) -> bytes:
-    """Flatten a tensor into KServe raw bytes (little-endian, row-major)."""
-    if array.dtype.kind in "OSU":
-        items = [v if isinstance(v, bytes) else str(v).encode() for v in array.reshape(-1)]
-        return b"".join(_LENGTH.pack(len(v)) + v for v in items)
-    return np.ascontiguousarray(array).tobytes()
 
 
 def decode_parameters(params) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from protos import generate_pb2 as gen
 from protos import generate_pb2_grpc as gen_grpc
 from server.repository.registry import Registry
 from server.rpc.errors import translate_stream_errors
-from server.rpc.lookup import serving
+from server.frontdoor import serving
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
 

@@ -8,13 +8,13 @@ import time
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__
-from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
+from server.errors import ModelNotFoundError, ModelUnavailableError, UnsupportedError
+from server.frontdoor import infer_request, serving
 from server.names import capped, parse_version
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
 from server.rpc import codec
 from server.rpc.errors import translate_errors
-from server.rpc.lookup import serving
 from server.rpc.stream_infer import stream_infer
 from server.runners.base import INFER
 
@@ -121,23 +121,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:
     inputs = codec.decode_inputs(request)
-    batch_size, key = mv.signature.check_inputs(inputs)
     requested = tuple(o.name for o in request.outputs)
-    mv.signature.check_outputs(requested)
     params = codec.decode_parameters(request.parameters)
-    priority, timeout_us = params.pop("priority", 0), params.pop("timeout", 0)
-    for name, value in (("priority", priority), ("timeout", timeout_us)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {capped(repr(value), 100)}")
-    cost = params.pop("cost", 0)  # per row, for cost-aware batching; 0: derived from the length
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
-        raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {capped(repr(cost), 100)}")
-    return InferRequest(
-        model_name=mv.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request.id,
-        requested_outputs=requested, parameters=params, priority=priority, timeout_us=timeout_us,
-        deadline_ns=arrival_ns + int(remaining_s * 1e9) if remaining_s is not None else None,
-        arrival_ns=arrival_ns, length=mv.signature.length(inputs), cost=float(cost), nbytes=_nbytes(request, inputs),
-    )
+    return infer_request(mv, inputs, requested, params, request.id, arrival_ns, remaining_s,
+                         _nbytes(request, inputs))
 
 
 def _nbytes(request: pb.ModelInferRequest, inputs) -> int:

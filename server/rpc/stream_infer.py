@@ -18,7 +18,7 @@ from server.errors import FerryError
 from server.names import capped
 from server.repository.registry import ModelVersion, Registry
 from server.rpc import vllm_tensors
-from server.rpc.lookup import serving
+from server.frontdoor import serving
 from server.rpc.passthrough import Undecodable
 from server.runners.base import GENERATE
 

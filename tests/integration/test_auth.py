@@ -5,6 +5,7 @@ clients and CLI, and tritonclient (in a subprocess: its protobuf messages cannot
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import subprocess
 import sys
@@ -174,3 +175,27 @@ def test_mutual_tls_refuses_clients_without_a_certificate(tmp_path):
         assert health.returncode == 0, health.stderr  # what the Dockerfile's HEALTHCHECK runs
     finally:
         server.stop()
+
+
+def http_status(server, path: str, token: str | None, body: bytes | None = None) -> int:
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(server.http_url + path, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def test_http_checks_the_same_tokens_with_the_same_rights(server):
+    infer = json.dumps({"inputs": [{"name": n, "shape": [1, 16], "datatype": "FP32", "data": a.reshape(-1).tolist()}
+                                   for n, a in SIMPLE.items()]}).encode()
+    for token, expected in ((None, 401), ("wrong", 401), (INFER_TOKEN, 200), (ADMIN_TOKEN, 200)):
+        assert http_status(server, "/v2/models/simple/infer", token, infer) == expected
+        assert http_status(server, "/v2/models/simple", token) == expected
+    assert http_status(server, "/v2/health/ready", None) == 200  # probes stay open
+    assert http_status(server, "/v2/repository/models/simple/unload", INFER_TOKEN, b"{}") == 403
+    assert http_status(server, "/v2/models/simple/ready", INFER_TOKEN) == 200

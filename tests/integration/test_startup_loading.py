@@ -44,7 +44,7 @@ def test_models_loading_at_start_up_are_unavailable_then_ready(tmp_path):
         "output: [{name: Y, data_type: TYPE_FP32, dims: [2]}]\n"
         f"parameters: {{release: {{string_value: '{release}'}}}}\n")
     proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--model-repository", str(tmp_path / "repo"),
-                             "--grpc-port", "0", "--metrics-port", "-1"], cwd=ROOT, stdout=subprocess.PIPE,
+                             "--grpc-port", "0", "--http-port", "-1", "--metrics-port", "-1"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         address = None

@@ -16,4 +16,4 @@ def test_dockerfile_passes_hadolint():
 
 def test_dockerfile_serves_models_on_the_documented_ports():
     text = (ROOT / "Dockerfile").read_text()
-    assert "EXPOSE 8001 8002" in text and '"/models"' in text and '"serve"' in text
+    assert "EXPOSE 8000 8001 8002" in text and '"/models"' in text and '"serve"' in text

@@ -1,0 +1,58 @@
+"""What every front door does the same way once it has read its wire format.
+
+Find the runner that can serve a call (or say why none can), and turn named numpy arrays plus the
+request's parameters into a checked `InferRequest`. gRPC (rpc/) and HTTP (web/) both call these, so a
+tensor or parameter is accepted or refused with the same message whichever door it came through.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from server.errors import InvalidInputError, UnsupportedError
+from server.names import capped
+from server.repository.registry import ModelVersion, Registry
+from server.request import InferRequest
+from server.runners.base import GENERATE, INFER
+
+
+def serving(registry: Registry, name: str, version: str, serves: str) -> ModelVersion:
+    """The ready version of `name` whose runner serves `serves` (INFER or GENERATE); raises otherwise."""
+    mv = registry.get(name, version)
+    if mv.runner.serves == serves:
+        return mv
+    if serves == INFER:
+        raise UnsupportedError(
+            f"model '{mv.name}' is a generation model (decoupled): it streams tokens instead of answering one infer; "
+            f"use ModelStreamInfer or ferry.generate.v1.Generation/Generate over gRPC, or /v2/models/{mv.name}/generate "
+            "and /v1/completions over HTTP")
+    if serves == GENERATE:
+        raise InvalidInputError(f"model '{mv.name}' is not a generation model (its backend is {mv.config.backend!r})")
+    raise UnsupportedError(f"model '{mv.name}' cannot serve {serves!r} calls")
+
+
+def infer_request(mv: ModelVersion, inputs: dict[str, np.ndarray], requested: tuple[str, ...], params: dict[str, Any],
+                  request_id: str, arrival_ns: int, remaining_s: float | None, nbytes: int | None = None) -> InferRequest:
+    """Check tensors against the model's signature and the reserved parameters; build the request.
+
+    `nbytes`: the input data the request holds while queued (its byte budget's charge); by default
+    the decoded arrays' size, which a front door replaces where it knows the bytes received."""
+    batch_size, key = mv.signature.check_inputs(inputs)
+    mv.signature.check_outputs(requested)
+    params = dict(params)
+    priority, timeout_us = params.pop("priority", 0), params.pop("timeout", 0)
+    for name, value in (("priority", priority), ("timeout", timeout_us)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {capped(repr(value), 100)}")
+    cost = params.pop("cost", 0)  # per row, for cost-aware batching; 0: derived from the length
+    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
+        raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {capped(repr(cost), 100)}")
+    return InferRequest(
+        model_name=mv.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request_id,
+        requested_outputs=requested, parameters=params, priority=priority, timeout_us=timeout_us,
+        deadline_ns=arrival_ns + int(remaining_s * 1e9) if remaining_s is not None else None,
+        arrival_ns=arrival_ns, length=mv.signature.length(inputs), cost=float(cost),
+        nbytes=sum(a.nbytes for a in inputs.values()) if nbytes is None else nbytes,
+    )

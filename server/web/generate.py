@@ -1,0 +1,110 @@
+"""Triton's generate extension: POST /v2/models/{name}/generate and /generate_stream (SSE).
+
+The JSON's keys are what Triton's vLLM backend reads as inputs (`text_input`, `max_tokens`, `stream`,
+`exclude_input_in_output`, `sampling_parameters`) and its `parameters` are sampling parameters; the
+answer is `text_output` (with the prompt in front for /generate unless excluded, as that backend
+does), then `finish_reason` and usage. Decoding and checking are the generation runner's.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from server.errors import InvalidInputError
+from server.frontdoor import serving
+from server.names import shown
+from server.repository.registry import Registry
+from server.runners.base import GENERATE
+from server.runners.generation import GenerationInput
+from server.runners.sampling import KEYS as SAMPLING_KEYS
+from server.web import streaming
+from server.web.body import read_body
+from server.web.errors import kserve_error, message_of, status_of
+from server.web.kserve import model_paths
+from server.web.tensors import parse_json
+
+_INPUTS = {"text_input", "max_tokens", "stream", "exclude_input_in_output", "sampling_parameters", "parameters", "id"}
+
+
+def _errors(handler):
+    @functools.wraps(handler)
+    async def wrapper(self, request: Request):
+        try:
+            return await handler(self, request)
+        except Exception as exc:  # noqa: BLE001 - answered with its status; message_of logs the unexpected ones
+            return kserve_error(status_of(exc), message_of(exc))
+
+    return wrapper
+
+
+class GenerateRoutes:
+    def __init__(self, registry: Registry, body_limit: int):
+        self.registry, self.body_limit = registry, body_limit
+
+    def routes(self) -> list[Route]:
+        return ([Route(p, self.generate, methods=["POST"]) for p in model_paths("/generate")]
+                + [Route(p, self.generate_stream, methods=["POST"]) for p in model_paths("/generate_stream")])
+
+    @_errors
+    async def generate(self, request: Request) -> Response:
+        mv, body, generation = await self._start(request)
+        text, last = await generation.collect()
+        if not body.get("exclude_input_in_output", False):
+            text = body["text_input"] + text
+        return JSONResponse(_answer(mv, text, last))
+
+    @_errors
+    async def generate_stream(self, request: Request) -> Response:
+        mv, _, generation = await self._start(request)
+
+        async def frames():
+            try:
+                async for event in generation.events():
+                    yield streaming.sse(_answer(mv, event.text, event))
+            except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
+                yield streaming.sse({"error": message_of(exc)})
+
+        return StreamingResponse(frames(), media_type="text/event-stream", headers=streaming.SSE_HEADERS)
+
+    async def _start(self, request: Request):
+        arrival = time.monotonic_ns()
+        mv = serving(self.registry, request.path_params["name"], request.path_params.get("version", ""), GENERATE)
+        body = parse_json(await read_body(request, self.body_limit))
+        if not isinstance(body, dict) or not isinstance(body.get("text_input"), str):
+            raise InvalidInputError("the generate request must be a JSON object with a string 'text_input'")
+        unknown = set(body) - _INPUTS - SAMPLING_KEYS
+        if unknown:
+            raise InvalidInputError(f"unknown fields {shown(str(sorted(unknown)))}; send sampling parameters in 'parameters'")
+        params = body.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise InvalidInputError("'parameters' must be a JSON object")
+        sampling = {k: v for k, v in {**body, **params}.items() if k in SAMPLING_KEYS}
+        if "sampling_parameters" in body:
+            sampling.update(_json_object(body["sampling_parameters"]))
+        decoded = mv.runner.decode(GenerationInput(arrival, text=body["text_input"], sampling=sampling,
+                                                   priority=params.get("priority", 0), timeout_us=params.get("timeout", 0)))
+        return mv, body, await streaming.start(mv.runner, decoded)
+
+
+def _json_object(raw) -> dict:
+    try:
+        value = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError as exc:
+        raise InvalidInputError(f"'sampling_parameters' is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidInputError("'sampling_parameters' must be a JSON object (or a string holding one)")
+    return value
+
+
+def _answer(mv, text: str, event) -> dict:
+    out = {"model_name": mv.name, "model_version": str(mv.version), "text_output": text}
+    if event.finish_reason is not None:
+        out["finish_reason"] = event.finish_reason
+        out["usage"] = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens}
+    return out

@@ -1,0 +1,193 @@
+"""The OpenAI-compatible API for generation models: /v1/models, /v1/completions, /v1/chat/completions.
+
+Requests become the same GenerationInput the gRPC Generate call builds (the runner decodes and checks
+it); answers and streamed chunks follow OpenAI's objects, so the `openai` SDK and the tools built on it
+work unchanged. vLLM's extra sampling fields (`top_k`, `ignore_eos`, `stop_token_ids`) are accepted
+too. Chat prompts are rendered with the model's own template (chat.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from server.errors import InvalidInputError, UnsupportedError
+from server.frontdoor import serving
+from server.repository.registry import Registry
+from server.runners.base import GENERATE
+from server.runners.generation import GenerationInput
+from server.web import streaming
+from server.web.body import read_body
+from server.web.chat import ChatTemplate, checked_messages
+from server.web.errors import message_of, openai_body, openai_error, status_of
+from server.web.tensors import parse_json
+
+# OpenAI field -> the runner's sampling key (max_completion_tokens is the newer name of max_tokens).
+_SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+             "top_p": "top_p", "seed": "seed", "stop": "stop", "top_k": "top_k", "ignore_eos": "ignore_eos",
+             "stop_token_ids": "stop_token_ids"}
+# Accepted and ignored: they do not change what is generated.
+_IGNORED = {"model", "stream", "stream_options", "user", "n", "messages", "prompt", "echo", "logprobs", "top_logprobs",
+            "presence_penalty", "frequency_penalty", "best_of", "add_generation_prompt", "metadata", "store"}
+_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
+
+
+def _errors(handler):
+    @functools.wraps(handler)
+    async def wrapper(self, request: Request):
+        try:
+            return await handler(self, request)
+        except Exception as exc:  # noqa: BLE001 - answered as OpenAI's error object; message_of logs the unexpected ones
+            return openai_error(status_of(exc), message_of(exc))
+
+    return wrapper
+
+
+class OpenAIRoutes:
+    def __init__(self, registry: Registry, body_limit: int):
+        self.registry, self.body_limit = registry, body_limit
+        self._templates: dict[tuple[str, int], tuple[object, ChatTemplate | None]] = {}  # (runner, template) per version
+
+    def routes(self) -> list[Route]:
+        return [Route("/v1/models", self.models, methods=["GET"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+
+    async def models(self, request: Request) -> Response:
+        names = sorted({mv.name for mv in self.registry.all_versions()
+                        if mv.ready and mv.runner is not None and mv.runner.serves == GENERATE})
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "ferry"} for name in names]})
+
+    @_errors
+    async def completions(self, request: Request) -> Response:
+        arrival = time.monotonic_ns()
+        body = await self._body(request)
+        mv = serving(self.registry, _model(body), "", GENERATE)
+        text, ids = _prompt(body.get("prompt"))
+        given = GenerationInput(arrival, text=text, token_ids=ids, sampling=_sampling(body))
+        decoded = mv.runner.decode(given)
+        reply = _Reply("cmpl", "text_completion", mv.name, chat=False)
+        echo = decoded.prompt_text if body.get("echo") else ""
+        return await self._answer(mv, decoded, body, reply, echo)
+
+    @_errors
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic_ns()
+        body = await self._body(request)
+        mv = serving(self.registry, _model(body), "", GENERATE)
+        template = self._template(mv)
+        if template is None:
+            raise InvalidInputError(f"model '{mv.name}' has no chat template (chat_template in tokenizer_config.json); "
+                                    "use /v1/completions with a prompt")
+        prompt = template.render(checked_messages(body.get("messages")), bool(body.get("add_generation_prompt", True)))
+        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=_sampling(body)))
+        return await self._answer(mv, decoded, body, _Reply("chatcmpl", "chat.completion", mv.name, chat=True), "")
+
+    async def _answer(self, mv, decoded, body: dict, reply: _Reply, echo: str) -> Response:
+        generation = await streaming.start(mv.runner, decoded)
+        if not body.get("stream"):
+            text, last = await generation.collect()
+            return JSONResponse(reply.whole(echo + text, last))
+        options = body.get("stream_options") or {}
+        usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
+
+        async def chunks():
+            yield streaming.sse(reply.chunk(echo, None, first=True))
+            try:
+                async for event in generation.events():
+                    if event.text or event.finish_reason is not None:
+                        yield streaming.sse(reply.chunk(event.text, _FINISH.get(event.finish_reason, event.finish_reason)))
+                    if event.finish_reason is not None and usage:
+                        yield streaming.sse(reply.usage_chunk(event))
+            except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
+                yield streaming.sse(openai_body(exc))
+            yield streaming.sse("[DONE]")
+
+        return StreamingResponse(chunks(), media_type="text/event-stream", headers=streaming.SSE_HEADERS)
+
+    async def _body(self, request: Request) -> dict:
+        body = parse_json(await read_body(request, self.body_limit))
+        if not isinstance(body, dict):
+            raise InvalidInputError("the request body must be a JSON object")
+        if body.get("n", 1) not in (1, None):
+            raise UnsupportedError("n > 1 is not supported: send one request per completion")
+        if body.get("logprobs") not in (None, False, 0) or body.get("best_of", 1) not in (1, None):
+            raise UnsupportedError("logprobs and best_of are not supported")
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            if body.get(penalty) not in (None, 0, 0.0):
+                raise UnsupportedError(f"{penalty} is not supported (only 0)")
+        unknown = set(body) - set(_SAMPLING) - _IGNORED
+        if unknown:
+            raise InvalidInputError(f"unsupported fields {sorted(unknown)[:10]}")
+        return body
+
+    def _template(self, mv) -> ChatTemplate | None:
+        cached = self._templates.get((mv.name, mv.version))
+        if cached is None or cached[0] is not mv.runner:  # a reload gives a new runner: read the folder again
+            cached = (mv.runner, ChatTemplate.from_folder(self.registry.root / mv.name / str(mv.version)))
+            self._templates[(mv.name, mv.version)] = cached
+        return cached[1]
+
+
+class _Reply:
+    """OpenAI's response and chunk objects for one request (one id, one creation time)."""
+
+    def __init__(self, prefix: str, kind: str, model: str, chat: bool):
+        self.id, self.kind, self.model, self.chat = f"{prefix}-{uuid.uuid4().hex}", kind, model, chat
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def whole(self, text: str, last) -> dict:
+        finish = _FINISH.get(last.finish_reason, last.finish_reason)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+                  if self.chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        return self._object(self.kind, [choice], usage=_usage(last))
+
+    def chunk(self, text: str, finish: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return self._object("chat.completion.chunk", [choice])
+        return self._object(self.kind, [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}])
+
+    def usage_chunk(self, last) -> dict:
+        return self._object("chat.completion.chunk" if self.chat else self.kind, [], usage=_usage(last))
+
+
+def _usage(event) -> dict:
+    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
+            "total_tokens": event.prompt_tokens + event.completion_tokens}
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidInputError("'model' must name a generation model (GET /v1/models lists them)")
+    return model
+
+
+def _prompt(prompt) -> tuple[str | None, list[int] | None]:
+    """A string, a list of token ids, or a one-element list of either (batches are not supported)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        return None, prompt
+    raise InvalidInputError("'prompt' must be a string or a list of token ids (one prompt per request)")
+
+
+def _sampling(body: dict) -> dict:
+    sampling = {"temperature": 1.0}  # OpenAI's default; send 0 for greedy
+    for field, key in _SAMPLING.items():
+        if body.get(field) is not None:
+            sampling[key] = body[field]
+    return sampling

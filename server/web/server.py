@@ -1,0 +1,73 @@
+"""The HTTP server: a Starlette app on uvicorn, inside the event loop gRPC and the runners use.
+
+uvicorn brings the HTTP/1.1 parsing (httptools, llhttp) and keep-alive; Starlette the routing and
+streamed responses that notice a client leaving. uvicorn is driven through its startup / main_loop /
+shutdown steps rather than `serve()`, which would install its own SIGINT/SIGTERM handlers over the
+app's drain. The socket is bound here, so port 0 gives a real port before anything is printed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+import uvicorn
+from starlette.applications import Starlette
+
+from server.drain import Drain
+from server.metrics import FrontDoorRequests
+from server.repository.registry import Registry
+from server.tokens import Tokens
+from server.web.gate import Gate
+from server.web.generate import GenerateRoutes
+from server.web.kserve import KServeRoutes
+from server.web.openai_api import OpenAIRoutes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WebOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    body_limit: int = 2**31 - 1  # bytes, as gRPC's message limit
+
+
+def build_app(registry: Registry, health, drain: Drain, tokens: Tokens, counter, options: WebOptions):
+    routes = (KServeRoutes(registry, health, options.body_limit).routes()
+              + GenerateRoutes(registry, options.body_limit).routes()
+              + OpenAIRoutes(registry, options.body_limit).routes())
+    return Gate(Starlette(routes=routes), drain, tokens, counter)
+
+
+class WebServer:
+    def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, tokens: Tokens,
+                 requests: FrontDoorRequests):
+        app = build_app(registry, health, drain, tokens, requests.http, options)
+        self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                     http="httptools", timeout_keep_alive=30)
+        self.server = uvicorn.Server(self.config)
+        self.options = options
+        self.host, self.port = options.host, options.port
+        self._socket: socket.socket | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.options.host else socket.AF_INET
+        self._socket = socket.create_server((self.options.host, self.options.port), family=family, backlog=2048)
+        self.port = self._socket.getsockname()[1]
+        self.config.load()
+        self.server.lifespan = self.config.lifespan_class(self.config)
+        await self.server.startup(sockets=[self._socket])
+        self._task = asyncio.get_running_loop().create_task(self.server.main_loop(), name="http")
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop listening, let open calls finish within `grace_s`, then close every connection."""
+        if self._task is None:
+            return
+        self.server.should_exit = True
+        self.config.timeout_graceful_shutdown = max(grace_s, 0.1)
+        await self._task
+        await self.server.shutdown(sockets=[self._socket])
