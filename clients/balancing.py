@@ -69,10 +69,15 @@ def replicas(target: Target) -> list[str]:
     return sorted(f"[{a}]:{port}" if ":" in a else f"{a}:{port}" for a in found)
 
 
-def service_config(max_attempts: int = MAX_ATTEMPTS) -> str:
-    return json.dumps({
+def service_config(max_attempts: int = MAX_ATTEMPTS, balanced: bool = True) -> str:
+    """`balanced=False`: the retry policy alone, for one address that is itself a balancer (an L7 proxy
+    sends the retried call to another replica)."""
+    balancing = {
         "loadBalancingConfig": [{"round_robin": {}}],
         "healthCheckConfig": {"serviceName": ""},  # "" is Ferry's readiness: NOT_SERVING while loading or draining
+    }
+    return json.dumps({
+        **(balancing if balanced else {}),
         "methodConfig": [{
             "name": [{"service": s} for s in RETRIED_SERVICES],
             "retryPolicy": {"maxAttempts": max_attempts, "initialBackoff": "0.05s", "maxBackoff": "1s",
