@@ -1,8 +1,9 @@
 """Three replicas behind a real L7 gRPC proxy (HAProxy, deploy/haproxy/haproxy.cfg as shipped): calls
 on one client connection are spread over every replica, and when one replica drains (SIGTERM) and
 another dies (SIGKILL) under load, no caller hangs, the only failures are UNAVAILABLE and few (the
-calls the proxy could not place, and the last replica takes the rest. The client retries UNAVAILABLE (a drain's answer,
-which the proxy cannot retry itself); per-replica counts come from each replica's ModelStatistics."""
+proxy keeps sending to a draining replica; see below), and the last replica takes the rest. The client
+retries UNAVAILABLE (a drain's answer, which the proxy cannot retry itself); per-replica counts come
+from each replica's ModelStatistics."""
 
 from __future__ import annotations
 
