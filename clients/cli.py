@@ -27,7 +27,9 @@ DEFAULT_URL = "127.0.0.1:8001"
 def add_client_commands(sub) -> None:
     """Add the client subcommands to an argparse subparsers object; each sets `run` to its handler."""
     connection = argparse.ArgumentParser(add_help=False)
-    connection.add_argument("--url", default=DEFAULT_URL, help=f"server HOST:PORT (default {DEFAULT_URL})")
+    connection.add_argument("--url", default=DEFAULT_URL,
+                            help=f"server HOST:PORT (default {DEFAULT_URL}); several replicas as H1:P1,H2:P2 or "
+                                 "dns:///NAME:PORT are balanced by the client (round_robin, health checks, retries)")
     connection.add_argument("--timeout", type=float, help="deadline of each call in seconds (default: none)")
     tls = connection.add_argument_group("TLS")
     tls.add_argument("--ssl", action="store_true", help="TLS with the system's trust store")
@@ -134,10 +136,13 @@ def _guard(handler):
 
 
 def _client(args) -> InferenceClient:
-    return InferenceClient(args.url, timeout_s=args.timeout, ssl=args.ssl, root_certificates=args.root_certs,
-                           private_key=args.client_key, certificate_chain=args.client_cert,
-                           tls_server_name=args.tls_server_name, token=args.token,
-                           headers=dict(h.split("=", 1) for h in args.header if "=" in h))
+    return InferenceClient(args.url, timeout_s=args.timeout, **_client_options(args))
+
+
+def _client_options(args) -> dict:
+    return {"ssl": args.ssl, "root_certificates": args.root_certs, "private_key": args.client_key,
+            "certificate_chain": args.client_cert, "tls_server_name": args.tls_server_name, "token": args.token,
+            "headers": dict(h.split("=", 1) for h in args.header if "=" in h)}
 
 
 def _models(args) -> int:
@@ -267,9 +272,11 @@ def _perf(args) -> int:
         workload = _workload(client, args)
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     rows = []
+    client_options = _client_options(args)
     for i, level in enumerate(levels):
         label = f"c={level}" if mode == "concurrency" else f"{level:g} req/s"
         bar = ProgressBar(label, args.requests, duration) if show else None
+        before = perf.served_by_replica(args.url, args.model, args.model_version, client_options)
         result = perf.run_point(args.url, workload, concurrency=level if mode == "concurrency" else None,
                                 rate=level if mode == "rate" else None, requests=args.requests, duration_s=duration,
                                 warmup=args.warmup if i == 0 else 0, timeout_s=args.timeout or 60,
@@ -277,6 +284,9 @@ def _perf(args) -> int:
         if bar:
             bar.close(result.completed + sum(result.errors.values()))
         rows.append(perf.row(result))
+        if before:
+            after = perf.served_by_replica(args.url, args.model, args.model_version, client_options)
+            rows[-1]["replicas"] = perf.replica_shares(before, after)
     doc = report.document(args.model, workload.kind, mode, args.url, workload.description, rows)
     _write_report(doc, args)
     return 0

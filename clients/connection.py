@@ -7,6 +7,8 @@ from pathlib import Path
 
 import grpc
 
+from clients import balancing
+
 # Tensors can be large; tritonclient and the server both allow messages up to 2 GiB.
 MESSAGE_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
 
@@ -39,10 +41,13 @@ def tls_options(ssl: bool, root_certificates: Pem | None, private_key: Pem | Non
 
 
 def open_channel(url: str, tls: TlsOptions | None, asynchronous: bool = False):
+    """A channel to one server, or balanced over several replicas (see clients/balancing.py)."""
     module = grpc.aio if asynchronous else grpc
+    target = balancing.parse(url)
+    options = MESSAGE_OPTIONS + target.channel_options()
     if tls is None:
-        return module.insecure_channel(url, options=MESSAGE_OPTIONS)
-    return module.secure_channel(url, tls.credentials(), options=MESSAGE_OPTIONS + tls.channel_options())
+        return module.insecure_channel(target.target, options=options)
+    return module.secure_channel(target.target, tls.credentials(), options=options + tls.channel_options())
 
 
 def _read(pem: Pem | None) -> bytes | None:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from clients import loadgen, messages, tensors
+from clients import balancing, loadgen, messages, tensors
 from clients.client import InferenceClient
 from clients.connection import TlsOptions
+from clients.errors import FerryClientError
 from clients.messages import ModelMetadata
 
 DISTINCT_REQUESTS = 16  # cycled, so the server cannot answer from a single cached input
@@ -133,13 +134,37 @@ def run_point(url: str, workload: Workload, *, concurrency: int | None = None, r
               progress: Callable[[int], None] | None = None) -> loadgen.RunResult:
     """One load level: `concurrency` callers in a closed loop, or Poisson arrivals at `rate`."""
     method = loadgen.GENERATE if workload.streaming else loadgen.MODEL_INFER
+    target = balancing.parse(url)  # several replicas: round_robin, health checks and retries
     common = {"timeout_s": timeout_s, "method_path": method, "streaming": workload.streaming, "warmup": warmup,
               "credentials": tls.credentials() if tls else None,
-              "channel_options": tls.channel_options() if tls else [], "progress": progress}
+              "channel_options": target.channel_options() + (tls.channel_options() if tls else []),
+              "progress": progress}
     if rate is not None:
-        return asyncio.run(loadgen.open_loop(url, workload.payloads, rate, requests, seed=seed,
+        return asyncio.run(loadgen.open_loop(target.target, workload.payloads, rate, requests, seed=seed,
                                              duration_s=duration_s, **common))
-    return asyncio.run(loadgen.closed_loop(url, workload.payloads, concurrency, requests, duration_s, **common))
+    return asyncio.run(loadgen.closed_loop(target.target, workload.payloads, concurrency, requests, duration_s,
+                                           **common))
+
+
+def served_by_replica(url: str, model: str, version: str = "", client_options: dict | None = None) -> dict[str, int]:
+    """Successful requests each replica behind a balanced `url` has served for `model` so far, read from
+    its own ModelStatistics; empty for a single address (behind a proxy that would be one backend's count,
+    mislabelled). Two readings taken around a run give each replica's share of it."""
+    target = balancing.parse(url)
+    if not target.balanced:
+        return {}
+    counts = {}
+    for address in balancing.replicas(target):
+        try:
+            with InferenceClient(address, timeout_s=10, **(client_options or {})) as client:
+                counts[address] = sum(s.inference_stats.success.count for s in client.model_statistics(model, version))
+        except FerryClientError:
+            counts[address] = None  # gone (or going): no figure rather than a wrong one
+    return counts
+
+
+def replica_shares(before: dict[str, int | None], after: dict[str, int | None]) -> dict[str, int | None]:
+    return {a: None if after.get(a) is None or before.get(a) is None else after[a] - before[a] for a in after}
 
 
 def row(result: loadgen.RunResult) -> dict:

@@ -24,6 +24,10 @@ def table(doc: dict) -> str:
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    for row in doc["points"]:
+        shares = row.get("replicas") or {}
+        lines += [f"{_level_label(doc['mode'], row)} replica {address}: {'-' if n is None else n} requests"
+                  for address, n in shares.items()]
     errors = {msg: n for row in doc["points"] for msg, n in row.get("error_messages", {}).items()}
     lines += [f"error x{n}: {msg}" for msg, n in errors.items()]
     return "\n".join(lines)

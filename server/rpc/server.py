@@ -16,6 +16,9 @@ from server.rpc import passthrough
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Triton and tritonclient allow messages up to INT32_MAX; Python's default receive limit is 4 MiB.
 MAX_MESSAGE_BYTES = 2**31 - 1
+# A health service name that answers SERVING for as long as the process serves gRPC, loading and draining
+# included: what a liveness probe asks (deploy/kubernetes). "" and the API services track readiness instead.
+LIVENESS_SERVICE = "liveness"
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,9 @@ class RpcServer:
         self.host = options.host
 
     async def start(self) -> None:
+        # grpcio's health servicer starts "" as SERVING; nothing is ready until set_serving(True).
+        await self.set_serving(False)
+        await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.server.start()
 
     async def set_serving(self, serving: bool) -> None:

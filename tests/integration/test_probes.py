@@ -1,0 +1,63 @@
+"""What Kubernetes' native gRPC probes see (deploy/kubernetes): readiness asks grpc.health.v1 for "",
+liveness for "liveness". A replica still loading or draining must be out of rotation (not ready) but
+never restarted (live), so the two names answer differently in exactly those two phases."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.conftest import ROOT
+from tests.integration.test_startup_loading import SLOW_MODEL
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def status(channel, service: str) -> int:
+    return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status
+
+
+def test_readiness_follows_loading_and_draining_while_liveness_stays_serving(tmp_path):
+    release = tmp_path / "release"
+    folder = tmp_path / "repo" / "slow"
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(SLOW_MODEL)
+    (folder / "config.yaml").write_text(
+        "backend: python\nmax_batch_size: 4\ninput: [{name: X, data_type: TYPE_FP32, dims: [2]}]\n"
+        "output: [{name: Y, data_type: TYPE_FP32, dims: [2]}]\n"
+        f"parameters: {{release: {{string_value: '{release}'}}}}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--model-repository", str(tmp_path / "repo"),
+                             "--grpc-port", "0", "--metrics-port", "-1", "--drain-grace-seconds", "5"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        address = next(m.group(1) for line in proc.stdout if (m := re.search(r"ferry: serving gRPC on (\S+)", line)))
+        with grpc.insecure_channel(address) as channel:
+            assert status(channel, "") == NOT_SERVING  # loading: the model's initialize waits for `release`
+            assert status(channel, "inference.GRPCInferenceService") == NOT_SERVING
+            assert status(channel, "liveness") == SERVING
+
+            release.touch()
+            assert any(line.startswith("ferry: ready") for line in proc.stdout)
+            assert status(channel, "") == SERVING
+            assert status(channel, "liveness") == SERVING
+
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while status(channel, "") != NOT_SERVING:
+                assert time.monotonic() < deadline, "readiness never dropped after SIGTERM"
+                time.sleep(0.02)
+            assert status(channel, "liveness") == SERVING  # draining: out of rotation, not dead
+        assert proc.wait(60) == 0
+    finally:
+        release.touch()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(60)
