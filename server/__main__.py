@@ -39,6 +39,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--admin-token-file", type=Path,
                    help="file of bearer tokens for model control (load/unload) and inference; also env FERRY_ADMIN_TOKEN")
     p.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
+    p.add_argument("--server-name", default="ferry",
+                   help="name ServerMetadata reports (\"triton\" for clients that check it)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -79,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         poll_repository_s=args.poll_repository_seconds,
         tokens=tokens,
         metrics_host=args.metrics_host,
+        server_name=args.server_name,
     )
     asyncio.run(run(config))
 

@@ -38,6 +38,7 @@ class ServerConfig:
     poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
     tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
     metrics_host: str | None = None  # None: the gRPC host
+    server_name: str = "ferry"  # ServerMetadata's name
 
 
 @dataclass(slots=True)
@@ -56,7 +57,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     prom.register(StatsCollector(registry.stats))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
-    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health)),
+    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health, config.server_name)),
                                  generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)

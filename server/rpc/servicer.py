@@ -23,9 +23,10 @@ EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: Registry, health):
+    def __init__(self, registry: Registry, health, server_name: str = "ferry"):
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
+        self.server_name = server_name  # some Triton clients check for "triton" (--server-name)
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.health.live)
@@ -34,7 +35,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.health.ready)
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="ferry", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=self.server_name, version=__version__, extensions=EXTENSIONS)
 
     @translate_errors
     async def ModelReady(self, request, context):
