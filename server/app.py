@@ -8,9 +8,10 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from server import heap
+from server.exposition import MetricsServer
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.generation_metrics import GenerationFamilies
 from server.metrics import Histograms, StatsCollector
@@ -63,8 +64,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
     if config.metrics_port is not None:
         metrics_host = config.metrics_host or config.rpc.host
-        http, _ = start_http_server(config.metrics_port, addr=metrics_host, registry=prom)
-        print(f"ferry: serving metrics on http://{metrics_host}:{http.server_port}/metrics", flush=True)
+        http = MetricsServer(prom, metrics_host, config.metrics_port)
+        print(f"ferry: serving metrics on http://{metrics_host}:{http.port}/metrics", flush=True)
     await registry.load_all()
     heap.park()
     health.ready = True
