@@ -7,12 +7,13 @@ Failures are per version where possible, so one corrupt file never hides the mod
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from protos import model_config_pb2 as mc
-from server import backends
+from server import backends, classification
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.names import is_version_folder
@@ -101,7 +102,9 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     if config.max_batch_size > 0 and config.WhichOneof("scheduling_choice") is None and not base.input:
         config.dynamic_batching.SetInParent()  # auto-completed batching models batch dynamically (as Triton)
     config_io.validate(config, source)
-    entry.config, entry.signature = config, Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
+    signature = Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
+    labels = classification.read_labels(config, version_dir.parent, source)
+    entry.config, entry.signature = config, dataclasses.replace(signature, labels=labels)
     for index, device in enumerate(_devices(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
         backend.instance = index

@@ -7,7 +7,7 @@ import time
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from server import __version__
+from server import __version__, classification
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.names import capped, parse_version
 from server.repository.registry import READY, ModelVersion, Registry
@@ -117,7 +117,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         infer = _decode(request, mv, arrival, remaining_s)
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
-        return codec.encode_response(request, mv.version, outputs, names)
+        return codec.encode_response(request, mv.version, _classified(request, outputs, mv.signature), names)
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:
@@ -125,6 +125,7 @@ def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, re
     batch_size, key = mv.signature.check_inputs(inputs)
     requested = tuple(o.name for o in request.outputs)
     mv.signature.check_outputs(requested)
+    _class_counts(request, mv.signature)
     params = codec.decode_parameters(request.parameters)
     priority, timeout_us = params.pop("priority", 0), params.pop("timeout", 0)
     for name, value in (("priority", priority), ("timeout", timeout_us)):
@@ -139,6 +140,26 @@ def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, re
         deadline_ns=arrival_ns + int(remaining_s * 1e9) if remaining_s is not None else None,
         arrival_ns=arrival_ns, length=mv.signature.length(inputs), cost=float(cost),
     )
+
+
+def _class_counts(request: pb.ModelInferRequest, signature) -> dict[str, int]:
+    """Requested outputs carrying the `classification` parameter -> k; checked at decode, before any work."""
+    counts = {}
+    for wanted in request.outputs:
+        if "classification" in wanted.parameters:
+            counts[wanted.name] = classification.requested_k(
+                wanted.name, codec.decode_parameters(wanted.parameters)["classification"])
+            if signature.outputs[wanted.name].datatype.api == "BYTES":
+                raise InvalidInputError(f"output '{wanted.name}' is BYTES and cannot be classified")
+    return counts
+
+
+def _classified(request: pb.ModelInferRequest, outputs: dict, signature) -> dict:
+    """Outputs asked for with the `classification` parameter, replaced by their top-k classes."""
+    for name, k in _class_counts(request, signature).items():
+        outputs = {**outputs, name: classification.classify(
+            name, outputs[name], k, signature.labels.get(name, ()), signature.batching)}
+    return outputs
 
 
 def _statistics(mv: ModelVersion) -> pb.ModelStatistics:

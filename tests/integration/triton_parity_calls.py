@@ -1,0 +1,49 @@
+"""Run by test_triton_parity.py in its own process (tritonclient's protobuf messages cannot share a
+process with Ferry's): the flows of Triton's example clients, printed as JSON. argv: url, scenario."""
+
+import json
+import sys
+
+import numpy as np
+import tritonclient.grpc as tc
+from tritonclient.utils import InferenceServerException
+
+
+def error(fn):
+    try:
+        fn()
+    except InferenceServerException as exc:
+        return {"status": exc.status(), "message": exc.message()}
+    return None
+
+
+def classification(client) -> dict:
+    """image_client.py -c 3 against densenet_onnx: top-3 "score:index:label" strings."""
+    image = np.random.default_rng(0).random((3, 4, 4), dtype=np.float32)
+    data = tc.InferInput("data_0", [3, 4, 4], "FP32")
+    data.set_data_from_numpy(image)
+    top3 = client.infer("densenet_onnx", [data], outputs=[tc.InferRequestedOutput("fc6_1", class_count=3)])
+    raw = client.infer("densenet_onnx", [data]).as_numpy("fc6_1")
+    batch = np.stack([image, image[::-1]])
+    rows = tc.InferInput("data_0", [2, 3, 4, 4], "FP32")
+    rows.set_data_from_numpy(batch)
+    batched = client.infer("densenet_batched", [rows], outputs=[tc.InferRequestedOutput("fc6_1", class_count=2)])
+    bad_k = tc.InferRequestedOutput("fc6_1")
+    bad_k._output.parameters["classification"].int64_param = 0
+    return {
+        "server_name": client.get_server_metadata().name,
+        "image": image.tolist(), "batch": batch.tolist(),
+        "top3": [v.decode() for v in top3.as_numpy("fc6_1").tolist()], "top3_shape": list(top3.as_numpy("fc6_1").shape),
+        "raw_shape": list(raw.shape), "raw": raw.tolist(),
+        "batched": [[v.decode() for v in row] for row in batched.as_numpy("fc6_1").tolist()],
+        "bad_k": error(lambda: client.infer("densenet_onnx", [data], outputs=[bad_k])),
+        "metadata_shape": client.get_model_metadata("densenet_onnx", as_json=True)["inputs"][0]["shape"],
+    }
+
+
+SCENARIOS = {"classification": classification}
+
+if __name__ == "__main__":
+    url, names = sys.argv[1], sys.argv[2:]
+    with tc.InferenceServerClient(url) as client:
+        print(json.dumps({name: SCENARIOS[name](client) for name in names}))
