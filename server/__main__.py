@@ -41,6 +41,11 @@ def _serve_parser(sub) -> None:
     p.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
     p.add_argument("--server-name", default="ferry",
                    help="name ServerMetadata reports (\"triton\" for clients that check it)")
+    p.add_argument("--model-control-mode", choices=("none", "poll", "explicit"),
+                   help="as Triton's: none (load all, no load/unload RPCs), poll (none + poll the repository), "
+                        "explicit (load only --load-model, load/unload RPCs allowed). Unset: load all, allow the RPCs")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="explicit mode: load this model at start (repeatable; '*' loads all)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -70,6 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     for flag, path in (("--auth-token-file", args.auth_token_file), ("--admin-token-file", args.admin_token_file)):
         if path is not None and not read_tokens(path, None):
             parser.error(f"{flag} {path} holds no token")
+    if args.load_model and args.model_control_mode != "explicit":
+        parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
+    poll_s = args.poll_repository_seconds
+    if args.model_control_mode == "poll":
+        poll_s = poll_s or 15.0  # Triton's --repository-poll-secs default
+    elif args.model_control_mode and poll_s:
+        parser.error(f"--poll-repository-seconds polls the repository; --model-control-mode {args.model_control_mode} does not")
     config = ServerConfig(
         model_repository=args.model_repository,
         rpc=RpcOptions(args.host, args.grpc_port, args.max_message_bytes, args.max_concurrent_rpcs or None,
@@ -78,10 +90,12 @@ def main(argv: list[str] | None = None) -> None:
         default_max_batch_size=args.default_max_batch_size,
         max_queued_requests=args.max_queued_requests,
         drain_grace_s=args.drain_grace_seconds,
-        poll_repository_s=args.poll_repository_seconds,
+        poll_repository_s=poll_s,
         tokens=tokens,
         metrics_host=args.metrics_host,
         server_name=args.server_name,
+        model_control_mode=args.model_control_mode or "",
+        load_models=frozenset(args.load_model),
     )
     asyncio.run(run(config))
 

@@ -25,6 +25,9 @@ from server.rpc.servicer import InferenceServicer
 from server.runners.factory import RunnerFactory
 
 log = logging.getLogger("ferry")
+# Triton's text (tritonclient users match on it), then what to do instead.
+CONTROL_REFUSED = ("explicit model load / unload is not allowed if polling is enabled: this server runs with "
+                   "--model-control-mode none or poll; start it with --model-control-mode explicit to load and unload")
 QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
 
 
@@ -40,6 +43,8 @@ class ServerConfig:
     tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
     metrics_host: str | None = None  # None: the gRPC host
     server_name: str = "ferry"  # ServerMetadata's name
+    model_control_mode: str = ""  # Triton's none | poll | explicit; "": load all, load/unload allowed, poll if asked
+    load_models: frozenset[str] | None = None  # explicit mode: the models loaded at start ('*': all)
 
 
 @dataclass(slots=True)
@@ -58,7 +63,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     prom.register(StatsCollector(registry.stats))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
-    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health, config.server_name)),
+    refused = CONTROL_REFUSED if config.model_control_mode in ("none", "poll") else ""
+    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health, config.server_name, refused)),
                                  generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
@@ -66,7 +72,9 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
         metrics_host = config.metrics_host or config.rpc.host
         http = MetricsServer(prom, metrics_host, config.metrics_port)
         print(f"ferry: serving metrics on http://{metrics_host}:{http.port}/metrics", flush=True)
-    await registry.load_all()
+    explicit = config.model_control_mode == "explicit"
+    await registry.load_all(config.load_models if explicit and "*" not in (config.load_models or ()) else
+                            frozenset() if explicit else None)
     heap.park()
     health.ready = True
     await rpc.set_serving(True)

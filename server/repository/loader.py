@@ -64,11 +64,16 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
     return sorted(available)[-max(count, 1):]
 
 
-def load_model(model_dir: Path, default_max_batch_size: int) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
-    """Read the config and load every selected version; raises ConfigError for model-wide problems."""
-    base = config_io.read_config(model_dir)
-    found = config_io.config_path(model_dir)
-    source = config_io.shown(found, model_dir) if found else f"{model_dir.name}/"
+def load_model(model_dir: Path, default_max_batch_size: int,
+               config: mc.ModelConfig | None = None) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
+    """Read the config (or take `config`, a load request's override) and load every selected version;
+    raises ConfigError for model-wide problems."""
+    if config is not None:
+        base, source = copy.deepcopy(config), f"{model_dir.name} (the load request's 'config' parameter)"
+    else:
+        base = config_io.read_config(model_dir)
+        found = config_io.config_path(model_dir)
+        source = config_io.shown(found, model_dir) if found else f"{model_dir.name}/"
     on_disk = version_dirs(model_dir)
     if not on_disk:
         raise ConfigError(f"{model_dir.name}/: no numbered version folder (e.g. {model_dir.name}/1/)")

@@ -8,8 +8,9 @@ import time
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__, classification
-from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
+from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.names import capped, parse_version
+from server.repository import inline_load
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
 from server.rpc import codec
@@ -23,10 +24,11 @@ EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: Registry, health, server_name: str = "ferry"):
+    def __init__(self, registry: Registry, health, server_name: str = "ferry", control_refused: str = ""):
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
         self.server_name = server_name  # some Triton clients check for "triton" (--server-name)
+        self.control_refused = control_refused  # set (model control modes none, poll): why load/unload are refused
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.health.live)
@@ -40,6 +42,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @translate_errors
     async def ModelReady(self, request, context):
         if not self.registry.knows(request.name):
+            if self.registry.on_disk(request.name):  # in the repository, not loaded (explicit mode): not ready
+                return pb.ModelReadyResponse(ready=False)
             self.registry.get(request.name)  # raises NOT_FOUND
         try:
             return pb.ModelReadyResponse(ready=self.registry.get(request.name, request.version).ready)
@@ -84,16 +88,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def RepositoryModelLoad(self, request, context):
-        if request.parameters:
-            given = capped(str(sorted(request.parameters)), 300)
-            raise UnsupportedError(f"load parameters {given} (config override, files) are not supported; "
-                                   "edit the model folder and load it again")
+        if self.control_refused:
+            raise ModelUnavailableError(self.control_refused)
         # The KServe SDK's variant of this message puts the model name in field 1 (repository_name).
-        await self.registry.load(request.model_name or request.repository_name)
+        name = request.model_name or request.repository_name
+        override = inline_load.parse(name, codec.decode_parameters(request.parameters))
+        await self.registry.load(name, override)
         return pb.RepositoryModelLoadResponse()
 
     @translate_errors
     async def RepositoryModelUnload(self, request, context):
+        if self.control_refused:
+            raise ModelUnavailableError(self.control_refused)
         await self.registry.unload(request.model_name or request.repository_name)
         return pb.RepositoryModelUnloadResponse()
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,9 +23,9 @@ if importlib.util.find_spec("tritonclient") is None:
 SCRIPT = Path(__file__).with_name("triton_parity_calls.py")
 
 
-def run_calls(server: RunningServer, *scenarios: str) -> dict:
+def run_calls(server: RunningServer, *scenarios: str, env: dict | None = None) -> dict:
     done = subprocess.run([sys.executable, str(SCRIPT), server.address, *scenarios],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -74,3 +76,41 @@ def test_classification_per_row_of_a_batching_model(triton_named):
 def test_classification_count_must_be_positive(triton_named):
     bad = triton_named["classification"]["bad_k"]
     assert bad["status"] == "StatusCode.INVALID_ARGUMENT" and "classification" in bad["message"]
+
+
+def test_model_control_explicit_mode_config_override_and_inline_files(tmp_path):
+    repo = tmp_path / "repo"
+    builders.add_sub(repo / "simple" / "1" / "model.onnx")
+    builders.add_sub(repo / "later" / "1" / "model.onnx")
+    inline = builders.add_sub(tmp_path / "outside" / "1" / "model.onnx")
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "simple")
+    try:
+        found = run_calls(server, "model_control", env={"INLINE_MODEL": str(inline)})["model_control"]
+    finally:
+        server.stop()
+    assert found["ready_at_start"] == {"simple": True, "later": False}  # explicit: only --load-model
+    assert found["bad_config"]["status"] == "StatusCode.INVALID_ARGUMENT"
+    assert "failed to load" in found["bad_config"]["message"]  # the words the example client looks for
+    assert found["overridden_max_batch_size"] == 16  # the config parameter replaced the folder's
+    assert found["ready_after_unload"] is False and found["later_ready"] is True
+    assert found["inline_sum_ok"] and found["inline_ready_after_unload"] is False
+    assert "failed to load" in found["unknown"]["message"] and found["unknown"]["status"] == "StatusCode.NOT_FOUND"
+    for key in ("long_path", "escaping_path"):
+        assert found[key]["status"] == "StatusCode.INVALID_ARGUMENT", key
+        assert "failed to poll from model repository" in found[key]["message"]
+    assert found["live"]
+    assert not list(Path(tempfile.gettempdir()).glob("ferry-inline-*/inline"))  # the inline folder went with the unload
+
+
+@pytest.mark.parametrize("mode", ["none", "poll"])
+def test_model_control_refused_outside_explicit_mode(tmp_path, mode):
+    builders.add_sub(tmp_path / "simple" / "1" / "model.onnx")
+    server = RunningServer(tmp_path, "--model-control-mode", mode)
+    try:
+        found = run_calls(server, "control_refused")["control_refused"]
+    finally:
+        server.stop()
+    for call in ("load", "unload"):
+        assert found[call]["status"] == "StatusCode.UNAVAILABLE"
+        assert "explicit model load / unload is not allowed" in found[call]["message"]
+        assert "--model-control-mode explicit" in found[call]["message"]

@@ -2,6 +2,7 @@
 process with Ferry's): the flows of Triton's example clients, printed as JSON. argv: url, scenario."""
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -41,7 +42,39 @@ def classification(client) -> dict:
     }
 
 
-SCENARIOS = {"classification": classification}
+def model_control(client) -> dict:
+    """simple_grpc_model_control.py's flow, in explicit mode, plus a model sent inline."""
+    out = {"ready_at_start": {m: client.is_model_ready(m) for m in ("simple", "later")}}
+    out["bad_config"] = error(lambda: client.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}'))
+    client.load_model("simple", config='{"max_batch_size":"16"}')
+    out["overridden_max_batch_size"] = client.get_model_config("simple").config.max_batch_size
+    client.unload_model("simple")
+    out["ready_after_unload"] = client.is_model_ready("simple")
+    client.load_model("later")
+    out["later_ready"] = client.is_model_ready("later")
+    with open(os.environ["INLINE_MODEL"], "rb") as f:
+        model = f.read()
+    config = json.dumps({"backend": "onnxruntime", "max_batch_size": 4})
+    client.load_model("inline", config=config, files={"file:1/model.onnx": model})
+    a = np.arange(8, dtype=np.float32).reshape(2, 4)
+    inputs = [tc.InferInput("INPUT0", [2, 4], "FP32"), tc.InferInput("INPUT1", [2, 4], "FP32")]
+    for i in inputs:
+        i.set_data_from_numpy(a)
+    out["inline_sum_ok"] = bool(np.array_equal(client.infer("inline", inputs).as_numpy("OUTPUT0"), a + a))
+    client.unload_model("inline")
+    out["inline_ready_after_unload"] = client.is_model_ready("inline")
+    out["unknown"] = error(lambda: client.load_model("wrong_model_name"))
+    out["long_path"] = error(lambda: client.load_model("simple", config="{}", files={"file:" + "A" * 256: b"a"}))
+    out["escaping_path"] = error(lambda: client.load_model("x", config="{}", files={"file:../x/1/model.onnx": b"a"}))
+    out["live"] = client.is_server_live()
+    return out
+
+
+def control_refused(client) -> dict:
+    return {"load": error(lambda: client.load_model("simple")), "unload": error(lambda: client.unload_model("simple"))}
+
+
+SCENARIOS = {"classification": classification, "model_control": model_control, "control_refused": control_refused}
 
 if __name__ == "__main__":
     url, names = sys.argv[1], sys.argv[2:]
