@@ -8,7 +8,7 @@ import time
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__, classification
-from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
+from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.names import capped, parse_version
 from server.repository import inline_load
 from server.repository.registry import READY, ModelVersion, Registry
@@ -127,6 +127,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:
+    for tensor in (*request.inputs, *request.outputs):
+        if "shared_memory_region" in tensor.parameters:
+            raise UnsupportedError(f"tensor '{tensor.name}' names a shared memory region; Ferry does not implement "
+                                   "shared memory yet: send the tensor's data in the request and read outputs from the response")
     inputs = codec.decode_inputs(request)
     batch_size, key = mv.signature.check_inputs(inputs)
     requested = tuple(o.name for o in request.outputs)
