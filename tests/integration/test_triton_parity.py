@@ -38,7 +38,7 @@ def triton_named(tmp_path_factory) -> dict:
     builders.add_sub(repo / "simple" / "1" / "model.onnx")
     server = RunningServer(repo, "--server-name", "triton")
     try:
-        return run_calls(server, "classification")
+        return run_calls(server, "classification", "shared_memory_refused")
     finally:
         server.stop()
 
@@ -114,3 +114,13 @@ def test_model_control_refused_outside_explicit_mode(tmp_path, mode):
         assert found[call]["status"] == "StatusCode.UNAVAILABLE"
         assert "explicit model load / unload is not allowed" in found[call]["message"]
         assert "--model-control-mode explicit" in found[call]["message"]
+
+
+def test_shared_memory_answers_that_it_is_not_implemented(triton_named):
+    found = triton_named["shared_memory_refused"]
+    for call, rpc in (("register", "SystemSharedMemoryRegister"), ("status", "SystemSharedMemoryStatus"),
+                      ("cuda", "CudaSharedMemoryStatus")):
+        assert found[call]["status"] == "StatusCode.UNIMPLEMENTED"
+        assert found[call]["message"] == f"{rpc} is not implemented by Ferry"
+    assert found["infer"]["status"] == "StatusCode.UNIMPLEMENTED"
+    assert "'INPUT0' names a shared memory region" in found["infer"]["message"]

@@ -74,7 +74,21 @@ def control_refused(client) -> dict:
     return {"load": error(lambda: client.load_model("simple")), "unload": error(lambda: client.unload_model("simple"))}
 
 
-SCENARIOS = {"classification": classification, "model_control": model_control, "control_refused": control_refused}
+def shared_memory_refused(client) -> dict:
+    """Not implemented yet: every shared memory call says so, never grpc's placeholder text."""
+    data = tc.InferInput("INPUT0", [1, 4], "FP32")
+    data.set_shared_memory("input_data", 16)
+    other = tc.InferInput("INPUT1", [1, 4], "FP32")
+    other.set_data_from_numpy(np.ones((1, 4), np.float32))
+    return {
+        "register": error(lambda: client.register_system_shared_memory("input_data", "/ferry_test", 16)),
+        "status": error(lambda: client.get_system_shared_memory_status()),
+        "cuda": error(lambda: client.get_cuda_shared_memory_status()),
+        "infer": error(lambda: client.infer("simple", [data, other])),
+    }
+
+
+SCENARIOS = {"shared_memory_refused": shared_memory_refused, "classification": classification, "model_control": model_control, "control_refused": control_refused}
 
 if __name__ == "__main__":
     url, names = sys.argv[1], sys.argv[2:]
