@@ -46,6 +46,13 @@ def _serve_parser(sub) -> None:
     p.add_argument("--admin-token-file", type=Path,
                    help="file of bearer tokens for model control (load/unload) and inference; also env FERRY_ADMIN_TOKEN")
     p.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
+    p.add_argument("--server-name", default="ferry",
+                   help="name ServerMetadata reports (\"triton\" for clients that check it)")
+    p.add_argument("--model-control-mode", choices=("none", "poll", "explicit"),
+                   help="as Triton's: none (load all, no load/unload RPCs), poll (none + poll the repository), "
+                        "explicit (load only --load-model, load/unload RPCs allowed). Unset: load all, allow the RPCs")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="explicit mode: load this model at start (repeatable; '*' loads all)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -62,23 +69,9 @@ def main(argv: list[str] | None = None) -> None:
     from server.web.server import WebOptions
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not args.model_repository.is_dir():
-        parser.error(f"--model-repository {args.model_repository} is not a folder")
-    if bool(args.tls_cert) != bool(args.tls_key):
-        parser.error("--tls-cert and --tls-key go together")
-    if args.tls_ca and not args.tls_cert:
-        parser.error("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
-    for flag, value in (("--max-queued-bytes", args.max_queued_bytes), ("--max-model-queued-bytes", args.max_model_queued_bytes)):
-        if value is not None and value < 0:
-            parser.error(f"{flag} must be 0 (no limit) or a number of bytes, got {value}")
-    try:
-        tokens = Tokens(read_tokens(args.auth_token_file, os.environ.get("FERRY_AUTH_TOKEN")),
-                        read_tokens(args.admin_token_file, os.environ.get("FERRY_ADMIN_TOKEN")))
-    except OSError as exc:
-        parser.error(f"cannot read a token file: {exc}")
-    for flag, path in (("--auth-token-file", args.auth_token_file), ("--admin-token-file", args.admin_token_file)):
-        if path is not None and not read_tokens(path, None):
-            parser.error(f"{flag} {path} holds no token")
+    _check_serve_flags(parser, args)
+    tokens = _tokens(parser, args)
+    poll_s = _poll_seconds(parser, args)
     config = ServerConfig(
         model_repository=args.model_repository,
         rpc=RpcOptions(args.host, args.grpc_port, args.max_message_bytes, args.max_concurrent_rpcs or None,
@@ -89,12 +82,51 @@ def main(argv: list[str] | None = None) -> None:
         max_queued_bytes=args.max_queued_bytes,
         max_model_queued_bytes=args.max_model_queued_bytes,
         drain_grace_s=args.drain_grace_seconds,
-        poll_repository_s=args.poll_repository_seconds,
+        poll_repository_s=poll_s,
         tokens=tokens,
         metrics_host=args.metrics_host,
         web=None if args.http_port < 0 else WebOptions(args.host, args.http_port, args.max_message_bytes),
+        server_name=args.server_name,
+        model_control_mode=args.model_control_mode or "",
+        load_models=frozenset(args.load_model),
     )
     asyncio.run(run(config))
+
+
+def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
+    """Refuse flag combinations that cannot work, before anything starts."""
+    if not args.model_repository.is_dir():
+        parser.error(f"--model-repository {args.model_repository} is not a folder")
+    if bool(args.tls_cert) != bool(args.tls_key):
+        parser.error("--tls-cert and --tls-key go together")
+    if args.tls_ca and not args.tls_cert:
+        parser.error("--tls-ca (mutual TLS) needs --tls-cert and --tls-key")
+    for flag, value in (("--max-queued-bytes", args.max_queued_bytes), ("--max-model-queued-bytes", args.max_model_queued_bytes)):
+        if value is not None and value < 0:
+            parser.error(f"{flag} must be 0 (no limit) or a number of bytes, got {value}")
+    if args.load_model and args.model_control_mode != "explicit":
+        parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
+
+
+def _tokens(parser: argparse.ArgumentParser, args) -> Tokens:
+    try:
+        tokens = Tokens(read_tokens(args.auth_token_file, os.environ.get("FERRY_AUTH_TOKEN")),
+                        read_tokens(args.admin_token_file, os.environ.get("FERRY_ADMIN_TOKEN")))
+    except OSError as exc:
+        parser.error(f"cannot read a token file: {exc}")
+    for flag, path in (("--auth-token-file", args.auth_token_file), ("--admin-token-file", args.admin_token_file)):
+        if path is not None and not read_tokens(path, None):
+            parser.error(f"{flag} {path} holds no token")
+    return tokens
+
+
+def _poll_seconds(parser: argparse.ArgumentParser, args) -> float:
+    poll_s = args.poll_repository_seconds
+    if args.model_control_mode == "poll":
+        return poll_s or 15.0  # Triton's --repository-poll-secs default
+    if args.model_control_mode and poll_s:
+        parser.error(f"--poll-repository-seconds polls the repository; --model-control-mode {args.model_control_mode} does not")
+    return poll_s
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
+from server.exposition import MetricsServer
 from server.generation_metrics import GenerationFamilies
 from server.metrics import FrontDoorRequests, Histograms, StatsCollector
 from server.repository.registry import Registry
@@ -26,6 +27,9 @@ from server.scheduling.budget import ByteBudget
 from server.web.server import WebOptions, WebServer
 
 log = logging.getLogger("ferry")
+# Triton's text (tritonclient users match on it), then what to do instead.
+CONTROL_REFUSED = ("explicit model load / unload is not allowed if polling is enabled: this server runs with "
+                   "--model-control-mode none or poll; start it with --model-control-mode explicit to load and unload")
 QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
 
 
@@ -43,6 +47,9 @@ class ServerConfig:
     tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
     metrics_host: str | None = None  # None: the gRPC host
     web: WebOptions | None = field(default_factory=WebOptions)  # None: no HTTP front door
+    server_name: str = "ferry"  # ServerMetadata's name
+    model_control_mode: str = ""  # Triton's none | poll | explicit; "": load all, load/unload allowed, poll if asked
+    load_models: frozenset[str] | None = None  # explicit mode: the models loaded at start ('*': all)
 
 
 @dataclass(slots=True)
@@ -75,7 +82,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
-    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health)),
+    refused = CONTROL_REFUSED if config.model_control_mode in ("none", "poll") else ""
+    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health, config.server_name, refused)),
                                  generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
@@ -86,9 +94,11 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
     if config.metrics_port is not None:
         metrics_host = config.metrics_host or config.rpc.host
-        http, _ = start_http_server(config.metrics_port, addr=metrics_host, registry=prom)
-        print(f"ferry: serving metrics on http://{metrics_host}:{http.server_port}/metrics", flush=True)
-    await registry.load_all()
+        http = MetricsServer(prom, metrics_host, config.metrics_port)
+        print(f"ferry: serving metrics on http://{metrics_host}:{http.port}/metrics", flush=True)
+    explicit = config.model_control_mode == "explicit"
+    await registry.load_all(config.load_models if explicit and "*" not in (config.load_models or ()) else
+                            frozenset() if explicit else None)
     heap.park()
     health.ready = True
     await rpc.set_serving(True)

@@ -25,6 +25,14 @@ _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _LABELS = ("model", "version")
 
 
+class BareCounter(Metric):
+    """A counter family whose samples carry its bare name (`nv_inference_count`, no `_total`), as
+    Triton's do; exposition.py declares it under that same name."""
+
+    def __init__(self, name: str, documentation: str):
+        super().__init__(name, documentation, "counter")
+
+
 class Histograms:
     """The histogram families of one server, on its own registry (no global state)."""
 
@@ -192,11 +200,11 @@ class StatsCollector(Collector):
     def collect(self):
         snapshots = [(s, s.snapshot()) for s in self._stats()]
         for name, kind, doc, value in _FAMILIES:
-            metric = Metric(name, doc, kind)
+            metric = BareCounter(name, doc) if kind == "counter" else Metric(name, doc, kind)
             for stats, snap in snapshots:
                 metric.add_sample(name, {"model": stats.model, "version": str(stats.version)}, value(snap))
             yield metric
-        failure = Metric("nv_inference_request_failure", "Failed inference requests, by reason", "counter")
+        failure = BareCounter("nv_inference_request_failure", "Failed inference requests, by reason")
         for stats, snap in snapshots:
             for reason in FAILURE_REASONS:
                 labels = {"model": stats.model, "version": str(stats.version), "reason": reason}

@@ -37,7 +37,9 @@ def capped(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
 def parse_version(text: str) -> int:
     """A request's version string ('' is handled by the caller) as an int; INVALID_ARGUMENT otherwise."""
     if not _VERSION.fullmatch(text):
-        raise InvalidInputError(f"model version must be a non-negative integer in ASCII digits, got {shown(text)}")
+        # Triton's words first: its example clients match on them
+        raise InvalidInputError(f"failed to get model version from specified version string {shown(text)}: "
+                                "a version must be a non-negative integer in ASCII digits")
     return int(text)
 
 

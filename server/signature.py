@@ -6,7 +6,7 @@ the tensor and what was expected, so a client can fix the call without reading s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,6 +15,7 @@ from server import datatypes
 from server.errors import InvalidInputError
 from server.names import shown
 from server.padding import Padding
+from server.reshape import Reshape
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,8 @@ class Signature:
     inputs: dict[str, TensorSpec]  # what clients send (inputs the server fills are left out)
     outputs: dict[str, TensorSpec]
     padding: Padding | None = None  # variable-length inputs: requests of different lengths join
+    reshape: Reshape | None = None  # tensors the model file shapes differently from the config's dims
+    labels: dict[str, tuple[str, ...]] = field(default_factory=dict)  # output -> class labels (classification)
 
     @classmethod
     def from_config(cls, config: mc.ModelConfig, text_bytes: bool = False) -> Signature:
@@ -53,6 +56,7 @@ class Signature:
             inputs={t.name: spec(t) for t in config.input if t.name not in filled},
             outputs={t.name: spec(t) for t in config.output},
             padding=padding,
+            reshape=Reshape.from_config(config),
         )
 
     @property

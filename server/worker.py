@@ -56,7 +56,10 @@ class Worker:
     def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int) -> BatchResult:
         t1 = time.monotonic_ns()
         try:
-            outputs = self.backend.execute(inputs)
+            reshape = self.signature.reshape
+            outputs = self.backend.execute(reshape.inputs(inputs) if reshape else inputs)
+            if reshape:
+                outputs = reshape.outputs(outputs, self.signature.model)
         except FerryError:
             raise
         except Exception as exc:  # a model failure fails its own batch, never the server

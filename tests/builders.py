@@ -198,3 +198,30 @@ output:
   - {name: Y, data_type: TYPE_FP32, dims: [-1, 2], variable_length: true}
   - {name: LEN, data_type: TYPE_INT64, dims: [1]}
 """
+
+
+DENSENET_WEIGHTS = np.arange(30, dtype=np.float32).reshape(10, 3) % 7 - 3  # [classes, channels], fixed
+
+
+def densenet_like(repo: Path, name: str = "densenet_onnx", batching: bool = False) -> Path:
+    """Triton's densenet_onnx quickstart, in miniature: data_0 [3, 4, 4] -> fc6_1 [10] scores, the model
+    file shaped [1, 3, 4, 4] -> [1, 10, 1, 1] and the config bridging them with `reshape`, as Triton's
+    own config.pbtxt does; labels in densenet_labels.txt. Scores = DENSENET_WEIGHTS @ channel means."""
+    batch = "N" if batching else 1
+    weights = helper.make_tensor("W", TensorProto.FLOAT, [10, 3, 1, 1], DENSENET_WEIGHTS.reshape(-1).tolist())
+    nodes = [helper.make_node("GlobalAveragePool", ["data_0"], ["pooled"]),
+             helper.make_node("Conv", ["pooled", "W"], ["fc6_1"])]
+    save_onnx(nodes, [tensor("data_0", TensorProto.FLOAT, [batch, 3, 4, 4])],
+              [tensor("fc6_1", TensorProto.FLOAT, [batch, 10, 1, 1])], repo / name / "1" / "model.onnx", [weights])
+    input_reshape = "" if batching else "reshape { shape: [ 1, 3, 4, 4 ] }"
+    output_shape = "10, 1, 1" if batching else "1, 10, 1, 1"
+    (repo / name / "config.pbtxt").write_text(f"""
+name: "{name}"
+platform: "onnxruntime_onnx"
+max_batch_size: {4 if batching else 0}
+input [ {{ name: "data_0" data_type: TYPE_FP32 format: FORMAT_NCHW dims: [ 3, 4, 4 ] {input_reshape} }} ]
+output [ {{ name: "fc6_1" data_type: TYPE_FP32 dims: [ 10 ] reshape {{ shape: [ {output_shape} ] }}
+            label_filename: "densenet_labels.txt" }} ]
+""")
+    (repo / name / "densenet_labels.txt").write_text("".join(f"CLASS_{i}\n" for i in range(10)))
+    return repo / name

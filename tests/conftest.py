@@ -57,7 +57,9 @@ class RunningServer:
         self._ready.set()
 
     def metric(self, name: str, **labels: str) -> float | None:
-        """The current value of one Prometheus sample, read from the server's /metrics page."""
+        """The current value of one Prometheus sample, read from the server's /metrics page. The parser
+        files a counter's samples as `<name>_total` (OpenMetrics' model); Ferry's page names them as
+        Triton does, without the suffix, so either spelling finds them."""
         import urllib.request
 
         from prometheus_client.parser import text_string_to_metric_families
@@ -65,7 +67,7 @@ class RunningServer:
         text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                if sample.name in (name, name + "_total") and all(sample.labels.get(k) == v for k, v in labels.items()):
                     return sample.value
         return None
 

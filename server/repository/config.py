@@ -16,6 +16,7 @@ from google.protobuf import json_format, text_format
 from protos import model_config_pb2 as mc
 from server.errors import ConfigError
 from server.repository import config_errors
+from server.reshape import validate as validate_reshape
 
 CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
 _SUPPORTED_SCHEDULING = {None, "dynamic_batching"}
@@ -120,7 +121,7 @@ def _validate_tensors(kind: str, tensors, source: str) -> None:
         if any(d == 0 or d < -1 for d in tensor.dims):
             raise field_error(source, f"{where}.dims", f"of {name!r} must be -1 or positive, got {list(tensor.dims)}")
         if tensor.HasField("reshape"):
-            raise field_error(source, f"{where}.reshape", "is not supported by Ferry yet")
+            validate_reshape(kind, i, tensor, source)
 
 
 def _validate_dynamic_batching(config: mc.ModelConfig, source: str) -> None:

@@ -7,12 +7,13 @@ Failures are per version where possible, so one corrupt file never hides the mod
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from protos import model_config_pb2 as mc
-from server import backends
+from server import backends, classification
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.names import is_version_folder
@@ -63,11 +64,16 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
     return sorted(available)[-max(count, 1):]
 
 
-def load_model(model_dir: Path, default_max_batch_size: int) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
-    """Read the config and load every selected version; raises ConfigError for model-wide problems."""
-    base = config_io.read_config(model_dir)
-    found = config_io.config_path(model_dir)
-    source = config_io.shown(found, model_dir) if found else f"{model_dir.name}/"
+def load_model(model_dir: Path, default_max_batch_size: int,
+               config: mc.ModelConfig | None = None) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
+    """Read the config (or take `config`, a load request's override) and load every selected version;
+    raises ConfigError for model-wide problems."""
+    if config is not None:
+        base, source = copy.deepcopy(config), f"{model_dir.name} (the load request's 'config' parameter)"
+    else:
+        base = config_io.read_config(model_dir)
+        found = config_io.config_path(model_dir)
+        source = config_io.shown(found, model_dir) if found else f"{model_dir.name}/"
     on_disk = version_dirs(model_dir)
     if not on_disk:
         raise ConfigError(f"{model_dir.name}/: no numbered version folder (e.g. {model_dir.name}/1/)")
@@ -101,7 +107,9 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     if config.max_batch_size > 0 and config.WhichOneof("scheduling_choice") is None and not base.input:
         config.dynamic_batching.SetInParent()  # auto-completed batching models batch dynamically (as Triton)
     config_io.validate(config, source)
-    entry.config, entry.signature = config, Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
+    signature = Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
+    labels = classification.read_labels(config, version_dir.parent, source)
+    entry.config, entry.signature = config, dataclasses.replace(signature, labels=labels)
     for index, device in enumerate(_devices(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
         backend.instance = index

@@ -17,7 +17,7 @@ from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S
 from server.errors import ConfigError, ModelNotFoundError, ModelUnavailableError
 from server.names import check_model_name, parse_version, shown
-from server.repository import loader
+from server.repository import inline_load, loader
 from server.signature import Signature
 
 if TYPE_CHECKING:
@@ -68,22 +68,45 @@ class Registry:
         self._locks: dict[str, asyncio.Lock] = {}  # one load or unload of a model at a time
         self._tasks: set[asyncio.Task] = set()  # loads and unloads in progress
         self._loading: set[str] = set()  # names being loaded with nothing registered yet: UNAVAILABLE, not NOT_FOUND
+        self._folders: dict[str, Path] = {}  # the folder each model's serving versions came from
+        self._staged: set[Path] = set()  # temporary folders of inline files (RepositoryModelLoad 'file:')
 
-    async def load_all(self) -> None:
-        dirs = loader.scan(self.root)
+    async def load_all(self, names: frozenset[str] | None = None) -> None:
+        """Load every model folder, or only those named (explicit model control's start-up models)."""
+        dirs = [d for d in loader.scan(self.root) if names is None or d.name in names]
+        for missing in sorted((names or set()) - {d.name for d in dirs}):
+            log.error("model '%s' was asked to load at start-up but has no folder in the repository", missing)
         self._loading.update(d.name for d in dirs)  # known from the scan on, so start-up answers "loading"
         await asyncio.gather(*(self._load(d) for d in dirs))
 
-    async def load(self, name: str) -> None:
-        """(Re)load one model from its folder. New versions replace the old ones only if at least one
-        of them is ready; otherwise the old ones keep serving and the reason is raised."""
+    async def load(self, name: str, override: inline_load.LoadOverride | None = None) -> None:
+        """(Re)load one model from its folder, or from `override` (a config, inline files). New versions
+        replace the old ones only if at least one of them is ready; otherwise the old ones keep serving
+        and the reason is raised."""
         check_model_name(name)  # before any path is built from it
-        model_dir = self.root / name
-        if not model_dir.is_dir():
-            raise ModelNotFoundError(f"no model folder {shown(name)} in the model repository")
-        error = await self._owned(self._locked(name, self._load(model_dir)))
+        staged = None
+        if override is not None and override.files:
+            staged = await asyncio.to_thread(inline_load.stage, name, override.files)
+            self._staged.add(staged)
+            model_dir = staged
+        else:
+            model_dir = self.root / name
+            if not model_dir.is_dir():
+                raise ModelNotFoundError(f"failed to load {shown(name)}, failed to poll from model repository: "
+                                         f"no model folder {shown(name)} in the model repository")
+        config = override.config if override is not None else None
+        try:
+            error = await self._owned(self._locked(name, self._load(model_dir, config)))
+        finally:
+            if staged is not None and self._folders.get(name) != staged:
+                self._forget_folder(staged)
         if error:
             raise ModelUnavailableError(f"failed to load model '{name}': {error}")
+
+    def _forget_folder(self, folder: Path | None) -> None:
+        if folder in self._staged:
+            self._staged.discard(folder)
+            inline_load.remove(folder)
 
     async def unload(self, name: str) -> None:
         """Stop serving a model: refuse new requests, let admitted ones finish, release its memory."""
@@ -97,6 +120,7 @@ class Registry:
         await self._retire(versions, grace_s)
         for mv in versions:
             mv.state, mv.reason, mv.runner = UNAVAILABLE, "unloaded", None
+        self._forget_folder(self._folders.pop(name, None))
         return ""
 
     async def _locked(self, name: str, work):
@@ -110,18 +134,18 @@ class Registry:
         task.add_done_callback(self._tasks.discard)
         return await asyncio.shield(task)
 
-    async def _load(self, model_dir: Path) -> str:
+    async def _load(self, model_dir: Path, config: mc.ModelConfig | None = None) -> str:
         """Load a model folder; returns '' or why nothing of it is ready."""
         self._loading.add(model_dir.name)
         try:
-            return await self._load_folder(model_dir)
+            return await self._load_folder(model_dir, config)
         finally:
             self._loading.discard(model_dir.name)
 
-    async def _load_folder(self, model_dir: Path) -> str:
+    async def _load_folder(self, model_dir: Path, config: mc.ModelConfig | None) -> str:
         name = model_dir.name
         try:
-            _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size)
+            _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size, config)
         except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
             reason = loader.without_paths(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}", model_dir)
             log.error("model '%s' is unavailable: %s", name, reason)
@@ -136,7 +160,10 @@ class Registry:
         old = list(self._models.get(name, {}).values())
         self._models[name] = versions
         self._errors.pop(name, None)
+        old_folder, self._folders[name] = self._folders.get(name), model_dir
         await self._retire(old, self.drain_grace_s)
+        if old_folder != model_dir:
+            self._forget_folder(old_folder)
         return why
 
     def _start(self, name: str, entry: loader.LoadedVersion) -> ModelVersion:
@@ -189,6 +216,11 @@ class Registry:
             raise ModelUnavailableError(f"model '{name}' has no available versions ({reasons})")
         return max(ready, key=lambda v: v.version)
 
+    def on_disk(self, name: str) -> bool:
+        """A model folder of this name is in the repository (loaded or not)."""
+        check_model_name(name)
+        return (self.root / name).is_dir()
+
     def knows(self, name: str) -> bool:
         return name in self._models or name in self._errors or name in self._loading
 
@@ -211,3 +243,5 @@ class Registry:
 
     async def close(self, grace_s: float) -> None:
         await self._retire(self.all_versions(), grace_s)
+        for folder in list(self._staged):
+            self._forget_folder(folder)

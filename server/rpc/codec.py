@@ -34,9 +34,11 @@ _NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
 
 def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
     raw = request.raw_input_contents
-    if raw and any(t.HasField("contents") for t in request.inputs):
+    typed = next((t.name for t in request.inputs if t.HasField("contents")), None) if raw else None
+    if typed is not None:  # Triton's words first: its example clients match on them
         raise InvalidInputError(
-            "contents field must not be specified when using raw_input_contents: send every input raw or every input typed"
+            f"contents field must not be specified when using raw_input_contents for {shown(typed)} for model "
+            f"{shown(request.model_name)}: send every input raw or every input typed"
         )
     if raw and len(raw) != len(request.inputs):
         raise InvalidInputError(

@@ -7,10 +7,11 @@ import time
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from server import __version__
-from server.errors import ModelNotFoundError, ModelUnavailableError, UnsupportedError
+from server import __version__, classification
+from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.frontdoor import infer_request, serving
-from server.names import capped, parse_version
+from server.names import parse_version
+from server.repository import inline_load
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
 from server.rpc import codec
@@ -23,9 +24,11 @@ EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: Registry, health):
+    def __init__(self, registry: Registry, health, server_name: str = "ferry", control_refused: str = ""):
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
+        self.server_name = server_name  # some Triton clients check for "triton" (--server-name)
+        self.control_refused = control_refused  # set (model control modes none, poll): why load/unload are refused
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.health.live)
@@ -34,11 +37,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ServerReadyResponse(ready=self.health.ready)
 
     async def ServerMetadata(self, request, context):
-        return pb.ServerMetadataResponse(name="ferry", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(name=self.server_name, version=__version__, extensions=EXTENSIONS)
 
     @translate_errors
     async def ModelReady(self, request, context):
         if not self.registry.knows(request.name):
+            if self.registry.on_disk(request.name):  # in the repository, not loaded (explicit mode): not ready
+                return pb.ModelReadyResponse(ready=False)
             self.registry.get(request.name)  # raises NOT_FOUND
         try:
             return pb.ModelReadyResponse(ready=self.registry.get(request.name, request.version).ready)
@@ -83,16 +88,18 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @translate_errors
     async def RepositoryModelLoad(self, request, context):
-        if request.parameters:
-            given = capped(str(sorted(request.parameters)), 300)
-            raise UnsupportedError(f"load parameters {given} (config override, files) are not supported; "
-                                   "edit the model folder and load it again")
+        if self.control_refused:
+            raise ModelUnavailableError(self.control_refused)
         # The KServe SDK's variant of this message puts the model name in field 1 (repository_name).
-        await self.registry.load(request.model_name or request.repository_name)
+        name = request.model_name or request.repository_name
+        override = inline_load.parse(name, codec.decode_parameters(request.parameters))
+        await self.registry.load(name, override)
         return pb.RepositoryModelLoadResponse()
 
     @translate_errors
     async def RepositoryModelUnload(self, request, context):
+        if self.control_refused:
+            raise ModelUnavailableError(self.control_refused)
         await self.registry.unload(request.model_name or request.repository_name)
         return pb.RepositoryModelUnloadResponse()
 
@@ -116,15 +123,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         infer = _decode(request, mv, arrival, remaining_s)
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
-        return codec.encode_response(request, mv.version, outputs, names)
+        return codec.encode_response(request, mv.version, _classified(request, outputs, mv.signature), names)
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:
+    for tensor in (*request.inputs, *request.outputs):
+        if "shared_memory_region" in tensor.parameters:
+            raise UnsupportedError(f"tensor '{tensor.name}' names a shared memory region; Ferry does not implement "
+                                   "shared memory yet: send the tensor's data in the request and read outputs from the response")
     inputs = codec.decode_inputs(request)
     requested = tuple(o.name for o in request.outputs)
     params = codec.decode_parameters(request.parameters)
-    return infer_request(mv, inputs, requested, params, request.id, arrival_ns, remaining_s,
-                         _nbytes(request, inputs))
+    infer = infer_request(mv, inputs, requested, params, request.id, arrival_ns, remaining_s, _nbytes(request, inputs))
+    _class_counts(request, mv.signature)  # a bad `classification` is refused before any work
+    return infer
 
 
 def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
@@ -132,6 +144,26 @@ def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
     if request.raw_input_contents:
         return sum(map(len, request.raw_input_contents))
     return sum(array.nbytes for array in inputs.values())
+
+
+def _class_counts(request: pb.ModelInferRequest, signature) -> dict[str, int]:
+    """Requested outputs carrying the `classification` parameter -> k; checked at decode, before any work."""
+    counts = {}
+    for wanted in request.outputs:
+        if "classification" in wanted.parameters:
+            counts[wanted.name] = classification.requested_k(
+                wanted.name, codec.decode_parameters(wanted.parameters)["classification"])
+            if signature.outputs[wanted.name].datatype.api == "BYTES":
+                raise InvalidInputError(f"output '{wanted.name}' is BYTES and cannot be classified")
+    return counts
+
+
+def _classified(request: pb.ModelInferRequest, outputs: dict, signature) -> dict:
+    """Outputs asked for with the `classification` parameter, replaced by their top-k classes."""
+    for name, k in _class_counts(request, signature).items():
+        outputs = {**outputs, name: classification.classify(
+            name, outputs[name], k, signature.labels.get(name, ()), signature.batching)}
+    return outputs
 
 
 def _statistics(mv: ModelVersion) -> pb.ModelStatistics:

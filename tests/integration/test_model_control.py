@@ -51,8 +51,8 @@ def test_unload_and_load_through_the_rpcs(repo):
         after = kserve.infer(server.channel, "mlp", {"X": X})
         assert not np.array_equal(after["Y"], before)  # version 2 answers now
         for request, code in ((pb.RepositoryModelLoadRequest(model_name="nope"), grpc.StatusCode.NOT_FOUND),
-                              (pb.RepositoryModelLoadRequest(model_name="mlp", parameters={"config": pb.ModelRepositoryParameter(string_param="{}")}),
-                               grpc.StatusCode.UNIMPLEMENTED)):
+                              (pb.RepositoryModelLoadRequest(model_name="mlp", parameters={"cfg": pb.ModelRepositoryParameter(string_param="{}")}),
+                               grpc.StatusCode.INVALID_ARGUMENT)):
             with pytest.raises(grpc.RpcError) as info:
                 api.RepositoryModelLoad(request)
             assert info.value.code() == code

@@ -95,3 +95,12 @@ def test_version_policy_selection():
     assert select_versions(policy, [2, 1]) == [1, 2]
     policy.specific.versions.extend([1, 4])
     assert select_versions(policy, [1, 2]) == [1, 4]  # 4 is reported missing by the loader
+
+
+def test_reshape_must_hold_as_many_elements_as_the_dims(tmp_path):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.pbtxt").write_text('input [ { name: "x" data_type: TYPE_FP32 dims: [ 3, 4 ] reshape { shape: [ 1, 13 ] } } ]\n'
+                                        'output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
+    with pytest.raises(ConfigError, match=r"input\[0\].reshape.*13 elements but dims \[3, 4\] hold 12"):
+        config_io.validate(config_io.read_config(model), "m/config.pbtxt")

@@ -1,0 +1,126 @@
+"""Triton's own example-client flows through tritonclient (in a subprocess): classification with
+labels and reshape, model control, system shared memory, the server name."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import builders
+from tests.conftest import RunningServer
+
+if importlib.util.find_spec("tritonclient") is None:
+    pytest.skip(reason="tritonclient[grpc] is not installed (it is part of the test extra)", allow_module_level=True)
+
+SCRIPT = Path(__file__).with_name("triton_parity_calls.py")
+
+
+def run_calls(server: RunningServer, *scenarios: str, env: dict | None = None) -> dict:
+    done = subprocess.run([sys.executable, str(SCRIPT), server.address, *scenarios],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.fixture(scope="module")
+def triton_named(tmp_path_factory) -> dict:
+    repo = tmp_path_factory.mktemp("repo")
+    builders.densenet_like(repo)
+    builders.densenet_like(repo, "densenet_batched", batching=True)
+    builders.add_sub(repo / "simple" / "1" / "model.onnx")
+    server = RunningServer(repo, "--server-name", "triton")
+    try:
+        return run_calls(server, "classification", "shared_memory_refused")
+    finally:
+        server.stop()
+
+
+def expected_top(image: np.ndarray, k: int) -> list[str]:
+    scores = builders.DENSENET_WEIGHTS @ image.reshape(3, -1).mean(axis=1)
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [f"{scores[i]:f}:{i}:CLASS_{i}" for i in order]
+
+
+def test_server_name_flag(triton_named):
+    assert triton_named["classification"]["server_name"] == "triton"  # simple_grpc_health_metadata.py checks it
+
+
+def test_classification_with_labels_through_reshape(triton_named):
+    found = triton_named["classification"]
+    image = np.array(found["image"], np.float32)
+    assert found["top3_shape"] == [3]
+    got = [s.split(":") for s in found["top3"]]
+    want = [s.split(":") for s in expected_top(image, 3)]
+    assert [(i, label) for _, i, label in got] == [(i, label) for _, i, label in want]
+    assert [float(s) for s, _, _ in got] == pytest.approx([float(s) for s, _, _ in want], abs=1e-5)
+    # without the parameter: the raw scores, in the config's dims (the model file's [1, 10, 1, 1] reshaped)
+    assert found["raw_shape"] == [10] and found["metadata_shape"] == ["3", "4", "4"]
+
+
+def test_classification_per_row_of_a_batching_model(triton_named):
+    found = triton_named["classification"]
+    batch = np.array(found["batch"], np.float32)
+    assert len(found["batched"]) == 2
+    for row, image in zip(found["batched"], batch):
+        assert [s.split(":")[1:] for s in row] == [s.split(":")[1:] for s in expected_top(image, 2)]
+
+
+def test_classification_count_must_be_positive(triton_named):
+    bad = triton_named["classification"]["bad_k"]
+    assert bad["status"] == "StatusCode.INVALID_ARGUMENT" and "classification" in bad["message"]
+
+
+def test_model_control_explicit_mode_config_override_and_inline_files(tmp_path):
+    repo = tmp_path / "repo"
+    builders.add_sub(repo / "simple" / "1" / "model.onnx")
+    builders.add_sub(repo / "later" / "1" / "model.onnx")
+    inline = builders.add_sub(tmp_path / "outside" / "1" / "model.onnx")
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "simple")
+    try:
+        found = run_calls(server, "model_control", env={"INLINE_MODEL": str(inline)})["model_control"]
+    finally:
+        server.stop()
+    assert found["ready_at_start"] == {"simple": True, "later": False}  # explicit: only --load-model
+    assert found["bad_config"]["status"] == "StatusCode.INVALID_ARGUMENT"
+    assert "failed to load" in found["bad_config"]["message"]  # the words the example client looks for
+    assert found["overridden_max_batch_size"] == 16  # the config parameter replaced the folder's
+    assert found["ready_after_unload"] is False and found["later_ready"] is True
+    assert found["inline_sum_ok"] and found["inline_ready_after_unload"] is False
+    assert "failed to load" in found["unknown"]["message"] and found["unknown"]["status"] == "StatusCode.NOT_FOUND"
+    for key in ("long_path", "escaping_path"):
+        assert found[key]["status"] == "StatusCode.INVALID_ARGUMENT", key
+        assert "failed to poll from model repository" in found[key]["message"]
+    assert found["live"]
+    assert not list(Path(tempfile.gettempdir()).glob("ferry-inline-*/inline"))  # the inline folder went with the unload
+
+
+@pytest.mark.parametrize("mode", ["none", "poll"])
+def test_model_control_refused_outside_explicit_mode(tmp_path, mode):
+    builders.add_sub(tmp_path / "simple" / "1" / "model.onnx")
+    server = RunningServer(tmp_path, "--model-control-mode", mode)
+    try:
+        found = run_calls(server, "control_refused")["control_refused"]
+    finally:
+        server.stop()
+    for call in ("load", "unload"):
+        assert found[call]["status"] == "StatusCode.UNAVAILABLE"
+        assert "explicit model load / unload is not allowed" in found[call]["message"]
+        assert "--model-control-mode explicit" in found[call]["message"]
+
+
+def test_shared_memory_answers_that_it_is_not_implemented(triton_named):
+    found = triton_named["shared_memory_refused"]
+    for call, rpc in (("register", "SystemSharedMemoryRegister"), ("status", "SystemSharedMemoryStatus"),
+                      ("cuda", "CudaSharedMemoryStatus")):
+        assert found[call]["status"] == "StatusCode.UNIMPLEMENTED"
+        assert found[call]["message"] == f"{rpc} is not implemented by Ferry"
+    assert found["infer"]["status"] == "StatusCode.UNIMPLEMENTED"
+    assert "'INPUT0' names a shared memory region" in found["infer"]["message"]
