@@ -12,8 +12,10 @@ import sys
 import time
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests import builders, kserve
 from tests.conftest import ROOT
 from tests.integration.test_startup_loading import SLOW_MODEL
 
@@ -33,8 +35,11 @@ def test_readiness_follows_loading_and_draining_while_liveness_stays_serving(tmp
         "backend: python\nmax_batch_size: 4\ninput: [{name: X, data_type: TYPE_FP32, dims: [2]}]\n"
         "output: [{name: Y, data_type: TYPE_FP32, dims: [2]}]\n"
         f"parameters: {{release: {{string_value: '{release}'}}}}\n")
+    gate = tmp_path / "gate"  # a request held here keeps the drain (and so the server) going while we look
+    builders.gated_model(tmp_path / "repo", "held", gate=gate, max_batch_size=1)
     proc = subprocess.Popen([sys.executable, "-m", "server", "serve", "--model-repository", str(tmp_path / "repo"),
-                             "--grpc-port", "0", "--metrics-port", "-1", "--drain-grace-seconds", "5"], cwd=ROOT,
+                             "--grpc-port", "0", "--http-port", "-1", "--metrics-port", "-1",
+                             "--drain-grace-seconds", "120"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -49,15 +54,23 @@ def test_readiness_follows_loading_and_draining_while_liveness_stays_serving(tmp
             assert status(channel, "") == SERVING
             assert status(channel, "liveness") == SERVING
 
-            proc.send_signal(signal.SIGTERM)
+            held = kserve.stub(channel).ModelInfer.future(
+                kserve.request("held", {"X": np.full((1, 2), -1, np.float32)}), timeout=120)
             deadline = time.monotonic() + 60
+            while not (tmp_path / "gate.running").exists():
+                assert time.monotonic() < deadline, "the held request never started"
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
             while status(channel, "") != NOT_SERVING:
                 assert time.monotonic() < deadline, "readiness never dropped after SIGTERM"
                 time.sleep(0.02)
             assert status(channel, "liveness") == SERVING  # draining: out of rotation, not dead
+            gate.touch()  # the admitted request finishes, then the drain ends
+            assert kserve.outputs(held.result())["Y"].tolist() == [[-1, -1]]
         assert proc.wait(60) == 0
     finally:
         release.touch()
+        gate.touch()
         if proc.poll() is None:
             proc.kill()
             proc.wait(60)
