@@ -1,6 +1,7 @@
 """Generation benchmark: continuous batching vs static batching vs one at a time vs transformers.
 
     python -m bench.generation [--requests 48] [--rates 2,4]
+    python -m bench.generation --prefix [--shared-requests 200] [--chats 50]
 
 One run, one locally saved random Llama (transformers' save_pretrained), one set of random-token
 prompts of mixed lengths, and four ways to serve them:
@@ -13,6 +14,10 @@ prompts of mixed lengths, and four ways to serve them:
 Figures: output tokens/s (useful tokens only), time to first token and inter-token latency p50/p99,
 KV utilisation. The all-at-once runs of (a) and (d), which the ratios compare, are repeated and the
 median kept. Appended to bench/RESULTS.md.
+
+With --prefix, the prefix-caching workloads instead, each on two copies of the model, caching off and
+on: (a) requests sharing a 1,000-token system prompt, (b) multi-turn chats resending the conversation.
+Figures: prompt tokens computed (from the server's prefix-cache counters), time to first token, tokens/s.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -143,7 +149,7 @@ def kv_sampler(metrics_url: str, stop: threading.Event, samples: list) -> None:
         stop.wait(0.05)
 
 
-async def ferry_run(address: str, jobs, arrivals: list[float]) -> tuple[float, list, list]:
+async def ferry_run(address: str, jobs, arrivals: list[float], model: str = "bench") -> tuple[float, list, list]:
     ttft, itl = [], []
     async with grpc.aio.insecure_channel(address) as channel:
         stub = gen_grpc.GenerationStub(channel)
@@ -152,7 +158,7 @@ async def ferry_run(address: str, jobs, arrivals: list[float]) -> tuple[float, l
         async def one(prompt, n, at):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             sent = last = time.perf_counter()
-            request = gen.GenerateRequest(model_name="bench", token_ids=gen.TokenIds(ids=prompt),
+            request = gen.GenerateRequest(model_name=model, token_ids=gen.TokenIds(ids=prompt),
                                           sampling=gen.SamplingParams(max_tokens=n, ignore_eos=True))
             first = True
             async for response in stub.Generate(request, timeout=600):
@@ -211,13 +217,132 @@ def measure_transformers(folder: Path, jobs, arrivals: list[float], name: str) -
     return summary(name, tokens, wall, ttft, itl)
 
 
+# ---------------------------------------------------------------- prefix caching: shared prompts, chats
+def system_prompt_jobs(count: int, system_len: int = 1000, out_len: int = 16, seed: int = 2):
+    """Workload (a): one system prompt shared by every request, then a 20-100-token user part."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(2, 2048, size=system_len).tolist()
+    return [(system + rng.integers(2, 2048, size=int(rng.integers(20, 101))).tolist(), out_len) for _ in range(count)]
+
+
+def chat_scripts(count: int, turns: int = 4, seed: int = 3) -> list[list[tuple[list[int], int]]]:
+    """Workload (b): per chat, per turn, the user's new tokens (20-60) and the answer's length (16-48)."""
+    rng = np.random.default_rng(seed)
+    return [[(rng.integers(2, 2048, size=int(rng.integers(20, 61))).tolist(), int(rng.integers(16, 49)))
+             for _ in range(turns)] for _ in range(count)]
+
+
+async def chats_run(address: str, scripts, model: str) -> tuple[float, int, list, list]:
+    """All chats at once; each turn resends the whole conversation (every user part and answer so far)."""
+    ttft, itl, produced = [], [], 0
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gen_grpc.GenerationStub(channel)
+        start = time.perf_counter()
+
+        async def chat(script):
+            nonlocal produced
+            history = []
+            for user, n in script:
+                history += user
+                sent = last = time.perf_counter()
+                answer = []
+                request = gen.GenerateRequest(model_name=model, token_ids=gen.TokenIds(ids=history),
+                                              sampling=gen.SamplingParams(max_tokens=n, ignore_eos=True))
+                async for response in stub.Generate(request, timeout=1200):
+                    now = time.perf_counter()
+                    if response.token_ids:
+                        (itl.append(now - last) if answer else ttft.append(now - sent))
+                        last = now
+                        answer += response.token_ids
+                history += answer
+                produced += len(answer)
+
+        await asyncio.gather(*(chat(s) for s in scripts))
+        return time.perf_counter() - start, produced, ttft, itl
+
+
+def prompt_counters(metrics_url: str, model: str) -> tuple[float, float]:
+    page = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+
+    def value(name):
+        found = re.search(rf'{name}_total\{{model="{model}",version="1"\}} (\S+)', page)
+        return float(found.group(1)) if found else 0.0
+
+    return value("ferry_prefix_cache_query_tokens"), value("ferry_prefix_cache_hit_tokens")
+
+
+def measure_prefix(address, metrics_url, model: str, name: str, run) -> dict:
+    """One workload on one model; prompt tokens computed = looked up - supplied by the cache."""
+    queried, hit = prompt_counters(metrics_url, model)
+    wall, produced, ttft, itl = run()
+    queried2, hit2 = prompt_counters(metrics_url, model)
+    return summary(name, produced, wall, ttft, itl, prompt_tokens=int(queried2 - queried),
+                   prompt_computed=int((queried2 - queried) - (hit2 - hit)))
+
+
+def prefix_main(args) -> None:
+    jobs = system_prompt_jobs(args.shared_requests)
+    scripts = chat_scripts(args.chats)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = Path(tmp)
+        models.random_llama(repo / "cached" / "1", vocab=2048, hidden=512, intermediate=1376, layers=6, heads=8,
+                            kv_heads=4, max_positions=2048)
+        shutil.copytree(repo / "cached" / "1", repo / "uncached" / "1")
+        for model, caching in (("cached", "true"), ("uncached", "false")):
+            (repo / model / "config.yaml").write_text(
+                "backend: llm\ngeneration: {block_size: 16, num_kv_blocks: 1024, max_num_seqs: 64, "
+                f"max_num_batched_tokens: 1024, max_model_len: 2048, enable_prefix_caching: {caching}}}\n")
+        proc, address, metrics = start_ferry(repo)
+        try:
+            for model, label in (("uncached", "off"), ("cached", "on")):
+                warm = [(p[:40], 4) for p, _ in workload(4, seed=9)]
+                asyncio.run(ferry_run(address, warm, [0.0] * len(warm), model))
+                rows.append(measure_prefix(address, metrics, model, f"(a) shared 1,000-token system prompt, caching {label}",
+                                           lambda m=model: _jobs_run(address, jobs, m)))
+                rows.append(measure_prefix(address, metrics, model, f"(b) 4-turn chats, caching {label}",
+                                           lambda m=model: asyncio.run(chats_run(address, scripts, m))))
+        finally:
+            proc.terminate()
+            proc.wait()
+    for row in rows:
+        print(row, flush=True)
+    lines = [f"Workloads: (a) {len(jobs)} requests at once, one 1,000-token system prompt + 20-100 user tokens, "
+             f"16 output tokens each; (b) {len(scripts)} chats at once, 4 turns each, 20-60 user tokens and 16-48 "
+             "answer tokens a turn, every turn resending the conversation. Random tokens; model: Llama, 6 layers, "
+             "hidden 512 (about 20M parameters), float32 on the CPU; 1,024 KV blocks of 16 tokens either way.", "",
+             common.table(rows, ["mode", "prompt_tokens", "prompt_computed", "ttft_p50_ms", "ttft_p99_ms",
+                                 "itl_p50_ms", "itl_p99_ms", "output_tok_s", "wall_s"]), ""]
+    by = {r["mode"]: r for r in rows}
+    for tag, title in (("(a) shared 1,000-token system prompt", "(a)"), ("(b) 4-turn chats", "(b)")):
+        off, on = by[f"{tag}, caching off"], by[f"{tag}, caching on"]
+        lines.append(f"- {title} caching on vs off: time to first token p50 {off['ttft_p50_ms'] / on['ttft_p50_ms']:.1f}x lower "
+                     f"(target >= 3x), prompt tokens computed {off['prompt_computed'] / max(on['prompt_computed'], 1):.1f}x fewer "
+                     f"(target >= 5x), output tokens/s {on['output_tok_s'] / off['output_tok_s']:.2f}x")
+    report = "\n".join(lines)
+    print(report)
+    if not args.no_record:
+        common.append_results("Generation with prefix caching (bench/generation.py --prefix)", report)
+
+
+def _jobs_run(address, jobs, model) -> tuple[float, int, list, list]:
+    wall, ttft, itl = asyncio.run(ferry_run(address, jobs, [0.0] * len(jobs), model))
+    return wall, sum(n for _, n in jobs), ttft, itl
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=48)
     parser.add_argument("--rates", default="2,4", help="Poisson arrival rates, requests/s")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each all-at-once measurement; the median is kept")
     parser.add_argument("--no-record", action="store_true")
+    parser.add_argument("--prefix", action="store_true", help="run only the prefix-caching workloads, caching off and on")
+    parser.add_argument("--shared-requests", type=int, default=200, help="--prefix: requests sharing the system prompt")
+    parser.add_argument("--chats", type=int, default=50, help="--prefix: concurrent 4-turn chats")
     args = parser.parse_args()
+    if args.prefix:
+        prefix_main(args)
+        return
     jobs = workload(args.requests)
     rates = [float(r) for r in args.rates.split(",")]
     poisson = {r: np.cumsum(np.random.default_rng(1).exponential(1 / r, size=len(jobs))).tolist() for r in rates}

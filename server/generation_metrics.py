@@ -9,6 +9,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LABELS = ("model", "version")
+# counter name -> PrefixCacheStats field (scheduling/prefix_cache.py)
+_PREFIX_COUNTERS = {"prefix_query_tokens": "query_tokens", "prefix_hit_tokens": "hit_tokens",
+                    "prefix_query_blocks": "query_blocks", "prefix_hit_blocks": "hit_blocks",
+                    "prefix_evictions": "evictions"}
 _TOKEN_BUCKETS_US = (1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
 
 
@@ -28,6 +32,18 @@ class GenerationFamilies:
         self.preemptions = Counter("ferry_preemptions", "Sequences preempted (freed and later recomputed)", _LABELS, registry=registry)
         self.step_reruns = Counter("ferry_generation_step_reruns", "Extra model passes spent isolating the sequences "
                                    "a raising step failed on (the others were kept)", _LABELS, registry=registry)
+        self.kv_cached = gauge("ferry_kv_blocks_cached", "KV blocks holding a cached prompt prefix (in use or idle)")
+        for unit in ("tokens", "blocks"):
+            setattr(self, f"prefix_query_{unit}", Counter(
+                f"ferry_prefix_cache_query_{unit}", f"Prompt {unit} looked up in the prefix cache at admission "
+                "(blocks: full blocks before the last token)", _LABELS, registry=registry))
+            setattr(self, f"prefix_hit_{unit}", Counter(
+                f"ferry_prefix_cache_hit_{unit}", f"Prompt {unit} the prefix cache supplied (not computed)",
+                _LABELS, registry=registry))
+            setattr(self, f"prefix_hit_rate_{unit}", gauge(
+                f"ferry_prefix_cache_hit_rate_{unit}", f"Hit {unit} / query {unit} since the model loaded"))
+        self.prefix_evictions = Counter("ferry_prefix_cache_evictions", "Idle cached KV blocks reused for other "
+                                        "tokens (least recently used first)", _LABELS, registry=registry)
         self.queue_us = histogram("ferry_generation_queue_duration_us", "Arrival to first scheduled step")
         self.ttft_us = histogram("ferry_time_to_first_token_us", "Arrival to first generated token")
         self.itl_us = histogram("ferry_inter_token_latency_us", "Time between consecutive tokens of a sequence")
@@ -45,7 +61,9 @@ class GenerationStats:
             labels = {"model": model, "version": str(version)}
             self._c = {name: getattr(families, name).labels(**labels) for name in (
                 "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
-                "queue_us", "ttft_us", "itl_us", "e2e_us")}
+                "queue_us", "ttft_us", "itl_us", "e2e_us", "kv_cached", *_PREFIX_COUNTERS,
+                "prefix_hit_rate_tokens", "prefix_hit_rate_blocks")}
+        self._prefix_seen = dict.fromkeys(_PREFIX_COUNTERS, 0)
 
     def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int, fragmentation: float, preemptions: int) -> None:
         added, self.preemptions = preemptions - self.preemptions, preemptions
@@ -55,6 +73,20 @@ class GenerationStats:
                 self._c[name].set(value)
             if added:
                 self._c["preemptions"].inc(added)
+
+    def set_prefix_cache(self, cached_blocks: int, stats) -> None:
+        """`stats`: the pool's PrefixCacheStats (running totals); counters advance by what is new."""
+        if not self._c:
+            return
+        self._c["kv_cached"].set(cached_blocks)
+        for name, field in _PREFIX_COUNTERS.items():
+            total = getattr(stats, field)
+            if total > self._prefix_seen[name]:
+                self._c[name].inc(total - self._prefix_seen[name])
+                self._prefix_seen[name] = total
+        for unit in ("tokens", "blocks"):
+            queries = getattr(stats, f"query_{unit}")
+            self._c[f"prefix_hit_rate_{unit}"].set(getattr(stats, f"hit_{unit}") / queries if queries else 0.0)
 
     def count_reruns(self, passes: int) -> None:
         self.step_reruns += passes

@@ -67,6 +67,7 @@ def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_st
     backend = entry.backends[0]
     settings = generation_settings(entry.config.generation, backend.max_model_len, backend.num_kv_blocks,
                                    frozenset(backend.eos_token_ids))
-    scheduler = ContinuousScheduler(settings.continuous, KVBlockPool(backend.num_kv_blocks, backend.settings.block_size))
+    pool = KVBlockPool(backend.num_kv_blocks, backend.settings.block_size, settings.enable_prefix_caching)
+    scheduler = ContinuousScheduler(settings.continuous, pool)
     return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens,
                             budget)

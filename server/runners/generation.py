@@ -264,6 +264,7 @@ class GenerationRunner(RunnerBase):
     def _publish(self) -> None:
         s, pool = self.scheduler, self.scheduler.pool
         self.gen_stats.set_state(len(s.running), s.num_waiting, pool.num_used, pool.num_blocks, s.fragmentation(), s.preemptions)
+        self.gen_stats.set_prefix_cache(len(pool.cache), pool.cache.stats)
         self.stats.set_gauges(s.gauges())
 
     async def _shutdown(self) -> None:

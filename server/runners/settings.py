@@ -80,6 +80,7 @@ class GenerationSettings:
 
     continuous: ContinuousSettings
     default_max_tokens: int = DEFAULT_MAX_TOKENS
+    enable_prefix_caching: bool = True  # share KV blocks of common prompt prefixes (scheduling/prefix_cache.py)
 
 
 def generation_settings(g: mc.ModelGeneration, max_model_len: int, num_kv_blocks: int,
@@ -95,4 +96,5 @@ def generation_settings(g: mc.ModelGeneration, max_model_len: int, num_kv_blocks
         admit_margin_blocks=max(1, num_kv_blocks // ADMIT_MARGIN_PER_BLOCKS),
         eos_token_ids=frozenset(eos_token_ids),
     )
-    return GenerationSettings(continuous, g.default_max_tokens or DEFAULT_MAX_TOKENS)
+    caching = g.enable_prefix_caching if g.HasField("enable_prefix_caching") else GenerationSettings.enable_prefix_caching
+    return GenerationSettings(continuous, g.default_max_tokens or DEFAULT_MAX_TOKENS, caching)

@@ -9,8 +9,11 @@ When a running sequence needs a block and none is free, the least urgent running
 priority, most recently admitted) is preempted: its blocks are freed and it waits at the head of its
 priority to be recomputed from its prompt plus what it already generated, so the client sees no gap
 or duplicate. A step that preempted admits nothing new, and admission keeps a margin of free blocks
-so a resumed sequence is not evicted again at once. Every token-level finish (eos, a stop token id,
-max_tokens, max_model_len) is decided here, in `postprocess`; the runner only adds text-level stops.
+so a resumed sequence is not evicted again at once. With prefix caching, a waiting sequence is
+admitted with the cached blocks of its longest cached prefix and `num_computed` past them: blocks
+and token budget are counted for the rest only (a resumed sequence often finds its own blocks).
+Every token-level finish (eos, a stop token id, max_tokens, max_model_len) is decided here,
+in `postprocess`; the runner only adds text-level stops.
 """
 
 from __future__ import annotations
@@ -135,12 +138,15 @@ class ContinuousScheduler:
         # that needs the whole pool must still be admitted or it would block the queue forever.
         while self._waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
             seq = self._waiting[0][-1]
-            n = min(seq.pending, budget)
+            hit = self.pool.match(seq)
+            cached = len(hit) * self.pool.block_size
+            n = min(seq.num_tokens - cached, budget)  # only what the cache does not hold is computed
             margin = self.settings.admit_margin_blocks if self.running else 0
-            if not self.pool.can_hold(seq, seq.num_computed + n, margin):
+            if not self.pool.can_admit(seq, cached + n, hit, margin):
                 break
             heapq.heappop(self._waiting)
-            self.pool.allocate(seq, seq.num_computed + n)
+            self.pool.admit(seq, cached + n, hit)
+            seq.num_computed = cached
             seq.status = SeqStatus.RUNNING
             seq.admitted = next(self._admissions)
             self.running.append(seq)
@@ -165,6 +171,7 @@ class ContinuousScheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # cancelled or finished while the step ran: its output is dropped
             seq.num_computed += n
+            self.pool.cache_full_blocks(seq)
             token = sampled.get(seq.seq_id)
             if token is None:
                 continue

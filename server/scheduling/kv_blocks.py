@@ -1,35 +1,43 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, a free list and reference counts.
+"""Paged KV-cache bookkeeping: fixed-size blocks, a free list, reference counts and shared prefixes.
 
 Pure Python: the K/V tensors live in the backend, indexed by the block ids handed out here. Fixed
 blocks mean any free block fits any sequence, so memory never fragments between sequences; the only
 waste is the unfilled tail of each sequence's last block, reported as `fragmentation`.
+
+NOTE: with prefix caching on, a block may be in several block tables at once (its reference count);
+only full blocks whose every token is computed are ever named (prefix_cache.py) or shared, and a
+sequence only writes at or after its `num_computed`, so a shared block is never written. A block
+is exactly one of: referenced, free, or idle (unreferenced but holding a named prefix, reused on a
+hit or evicted least recently used when the free list is empty). `check` asserts all of it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from server.scheduling.prefix_cache import PrefixCache, prefix_hashes
 from server.scheduling.sequence import Sequence
 
 
 class KVBlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self._free: deque[int] = deque(range(num_blocks))
-        # Reference counts are kept for prefix caching (a separate issue): shared prompt blocks will be
-        # held by several sequences. Today every allocated block has exactly one reference.
         self._refs = [0] * num_blocks
+        self.cache = PrefixCache()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and idle cached ones."""
+        return len(self._free) + self.cache.num_idle
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -39,24 +47,81 @@ class KVBlockPool:
         return max(0, self.blocks_for(num_tokens) - len(seq.block_table))
 
     def can_hold(self, seq: Sequence, num_tokens: int, margin: int = 0) -> bool:
-        return self.extra_blocks(seq, num_tokens) + margin <= len(self._free)
+        return self.extra_blocks(seq, num_tokens) + margin <= self.num_free
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow `seq`'s block table to hold `num_tokens`; the caller checked `can_hold`."""
         needed = self.extra_blocks(seq, num_tokens)
-        if needed > len(self._free):
-            raise MemoryError(f"sequence {seq.seq_id} needs {needed} KV blocks, {len(self._free)} are free")
+        if needed > self.num_free:
+            raise MemoryError(f"sequence {seq.seq_id} needs {needed} KV blocks, {self.num_free} are free")
         for _ in range(needed):
-            block = self._free.popleft()
+            block = self._free.popleft() if self._free else self.cache.evict()
             self._refs[block] = 1
             seq.block_table.append(block)
 
-    def free(self, seq: Sequence) -> None:
-        for block in seq.block_table:
-            self._refs[block] -= 1
+    # ------------------------------------------------------------ admission with cached prefixes
+    def match(self, seq: Sequence) -> list[int]:
+        """The cached blocks holding `seq`'s longest cached prefix (read only). The last token is never
+        covered: the step that computes it is the one that gives the logits to sample from."""
+        if not self.prefix_caching:
+            return []
+        hit = []
+        for name in prefix_hashes(seq.token_ids, self.block_size, (seq.num_tokens - 1) // self.block_size):
+            block = self.cache.lookup(name)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+    def can_admit(self, seq: Sequence, num_tokens: int, hit: list[int], margin: int = 0) -> bool:
+        """Like `can_hold` for a waiting sequence that starts with the `hit` blocks: only the blocks past
+        them are new, but an idle hit block stops counting as free once it is referenced."""
+        revived = sum(1 for block in hit if self.cache.is_idle(block))
+        return self.blocks_for(num_tokens) - len(hit) + revived + margin <= self.num_free
+
+    def admit(self, seq: Sequence, num_tokens: int, hit: list[int]) -> None:
+        """Give a waiting sequence (no blocks yet) the `hit` blocks, then room up to `num_tokens`."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already holds {len(seq.block_table)} KV blocks")
+        for block in hit:
             if self._refs[block] == 0:
+                self.cache.revive(block)
+            self._refs[block] += 1
+        seq.block_table = list(hit)
+        seq.block_hashes = prefix_hashes(seq.token_ids, self.block_size, len(hit))
+        self.allocate(seq, num_tokens)
+        stats = self.cache.stats
+        stats.query_tokens += seq.num_tokens
+        stats.hit_tokens += len(hit) * self.block_size
+        stats.query_blocks += (seq.num_tokens - 1) // self.block_size
+        stats.hit_blocks += len(hit)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks `seq` has filled since the last call, so later sequences can share them."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.num_computed // self.block_size, len(seq.block_table))
+        known = len(seq.block_hashes)
+        if full <= known:
+            return
+        parent = seq.block_hashes[-1] if known else b""
+        names = prefix_hashes(seq.token_ids[known * self.block_size :], self.block_size, full - known, parent)
+        for block, name in zip(seq.block_table[known:full], names):
+            self.cache.register(block, name)
+        seq.block_hashes.extend(names)
+
+    # ------------------------------------------------------------ release
+    def free(self, seq: Sequence) -> None:
+        # Last block first: the deepest blocks of a prefix become least recently used, so they are
+        # evicted before the blocks they depend on (a child without its parent can never be hit).
+        for block in reversed(seq.block_table):
+            self._refs[block] -= 1
+            if self._refs[block] < 0:
+                raise AssertionError(f"block {block} freed more often than it was taken")
+            if self._refs[block] == 0 and not self.cache.park(block):
                 self._free.append(block)
         seq.block_table = []
+        seq.block_hashes = []
 
     def fragmentation(self, sequences) -> float:
         """Allocated-but-unfilled token slots / allocated slots, over the given sequences."""
@@ -66,9 +131,27 @@ class KVBlockPool:
             filled += min(seq.num_computed, len(seq.block_table) * self.block_size)
         return (allocated - filled) / allocated if allocated else 0.0
 
-    def check(self) -> None:
-        """Invariant check for tests: every block is free xor referenced, none twice in the free list."""
+    def check(self, sequences=None) -> None:
+        """Invariant check for tests: every block is referenced xor free xor idle, none twice in the
+        free list; with the live `sequences`, every count equals the tables holding the block, and
+        every shared block is full and computed in each of them."""
         free = set(self._free)
         assert len(free) == len(self._free), "a block is in the free list twice"
         for block, refs in enumerate(self._refs):
-            assert (refs == 0) == (block in free), f"block {block}: {refs} refs, free={block in free}"
+            assert refs >= 0, f"block {block}: {refs} refs"
+            unreferenced = (block in free) + self.cache.is_idle(block)
+            assert (refs == 0) == (unreferenced == 1), f"block {block}: {refs} refs, free={block in free}"
+        self.cache.check(self._refs)
+        if sequences is not None:
+            self._check_tables(sequences)
+
+    def _check_tables(self, sequences) -> None:
+        counts = [0] * self.num_blocks
+        for seq in sequences:
+            assert len(set(seq.block_table)) == len(seq.block_table), f"sequence {seq.seq_id} holds a block twice"
+            computed_blocks = seq.num_computed // self.block_size
+            for i, block in enumerate(seq.block_table):
+                counts[block] += 1
+                if self._refs[block] > 1:
+                    assert i < computed_blocks, f"sequence {seq.seq_id} can write shared block {block}"
+        assert counts == self._refs, "reference counts differ from the block tables holding them"

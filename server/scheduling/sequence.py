@@ -35,7 +35,7 @@ class SamplingParams:
 @dataclass(slots=True, eq=False)
 class Sequence:
     """Mutable record of one request. The scheduler moves it between queues and counts tokens; only the
-    block pool writes `block_table`; the runner only reads it."""
+    block pool writes `block_table` and `block_hashes`; the runner only reads it."""
 
     seq_id: int
     token_ids: list[int]  # prompt followed by every token generated so far
@@ -47,6 +47,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose K/V sit in the cache
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # names of its full computed blocks (kv_blocks.py)
     finish_reason: str | None = None
     preemptions: int = 0
     admitted: int = 0  # admission order among running sequences; later admitted is preempted first
