@@ -89,6 +89,14 @@ class PythonBackend(Backend):
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {name: np.asarray(value) for name, value in self.model.execute(inputs).items()}
 
+    def responses(self, inputs: dict[str, np.ndarray]):
+        """A decoupled model's `execute` yields its responses (dicts of outputs), 0..N per request."""
+        produced = self.model.execute(inputs)
+        if isinstance(produced, dict):
+            raise ConfigError(f"model '{self.config.name}' is decoupled: its execute must yield one dict per response "
+                              "(a generator), not return a dict")
+        yield from produced
+
     def unload(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):
             self.model.finalize()

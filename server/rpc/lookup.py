@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from server.errors import InvalidInputError, UnsupportedError
 from server.repository.registry import ModelVersion, Registry
-from server.runners.base import GENERATE, INFER
+from server.runners.base import DECOUPLED, GENERATE, INFER
 
 
 def serving(registry: Registry, name: str, version: str, serves: str) -> ModelVersion:
@@ -12,6 +12,9 @@ def serving(registry: Registry, name: str, version: str, serves: str) -> ModelVe
     mv = registry.get(name, version)
     if mv.runner.serves == serves:
         return mv
+    if serves == INFER and mv.runner.serves == DECOUPLED:
+        raise UnsupportedError(f"ModelInfer does not serve model '{mv.name}': its transaction policy is decoupled "
+                               "(0..N responses per request); send its requests on ModelStreamInfer")
     if serves == INFER:
         raise UnsupportedError(f"ModelInfer does not serve generation model '{mv.name}' (decoupled); stream from it "
                                "with ModelStreamInfer or ferry.generate.v1.Generation/Generate")

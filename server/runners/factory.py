@@ -14,8 +14,11 @@ from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
 from server.generation_metrics import GenerationFamilies, GenerationStats
 from server.metrics import Histograms, ModelStats
+from server.repository.ensemble_config import step_order
 from server.runners.base import Runner
 from server.runners.batch import ModelRunner
+from server.runners.decoupled import DecoupledRunner
+from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
 from server.runners.settings import batching_settings, binpack_settings, generation_settings, request_queue
 from server.scheduling.base import Scheduler
@@ -39,14 +42,19 @@ class RunnerFactory:
     max_queued: int = MAX_QUEUED_REQUESTS
     server_budget: ByteBudget = field(default_factory=lambda: ByteBudget(0, "the server"))
     max_model_queued_bytes: int = 0  # per version, within the server's budget (0: only the server's)
+    models: LateLookup = field(default_factory=LateLookup)  # the registry's lookup, for ensemble steps
 
     def __call__(self, name: str, entry: LoadedVersion) -> Runner:
         """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
         stats = ModelStats(name, entry.version, self.histograms)
         budget = ByteBudget(self.max_model_queued_bytes, f"model '{name}' version {entry.version}", self.server_budget)
+        if entry.config.platform == "ensemble":
+            return EnsembleRunner(name, entry.version, entry.config, step_order(entry.config, name), self.models, stats)
         if entry.config.backend == "llm":
             gen_stats = GenerationStats(self.generation_families, name, entry.version)
             return generation_runner(name, entry, stats, gen_stats, budget)
+        if entry.config.model_transaction_policy.decoupled:
+            return decoupled_runner(name, entry, stats, budget)
         workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
                            preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget)
@@ -58,6 +66,13 @@ def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUEST
     if config.HasField("binpack_batching"):
         return BinPackBatcher(settings, binpack_settings(config), queue)
     return DynamicBatcher(settings, queue)
+
+
+def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget) -> DecoupledRunner:
+    if entry.config.backend != "python":
+        raise ConfigError(f"model '{name}': model_transaction_policy.decoupled needs the python backend "
+                          f"(a model.py whose execute yields responses), not {entry.config.backend!r}")
+    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget)
 
 
 def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats,
