@@ -74,3 +74,46 @@ ensemble_scheduling {{ step [ {steps} ] }}
 def rows(repo: Path) -> None:
     """`rows`: a batched python model that reports how many rows its call received."""
     python_model(repo, "rows", ROWS_MODEL, ROWS_CONFIG)
+
+
+ACCUMULATE_MODEL = '''
+import numpy as np
+
+
+class Model:
+    """OUTPUT = the sum of INPUT over the sequence so far, kept in implicit state; CORR echoes CORRID."""
+
+    def execute(self, inputs):
+        start = inputs["START"].astype(bool)  # [rows, 1]
+        total = np.where(start, 0, inputs["ACC_IN"]) + inputs["INPUT"]
+        out = {"OUTPUT": total.astype(np.int32), "ACC_OUT": total.astype(np.int32)}
+        if "CORR" in self.outputs:
+            out["CORR"] = inputs["CORRID"].astype(object if self.text else np.uint64)
+        return out
+
+    def initialize(self, args):
+        self.outputs = {o["name"] for o in args["config"]["output"]}
+        self.text = any(o["name"] == "CORR" and o["data_type"] == "TYPE_STRING" for o in args["config"]["output"])
+'''
+
+
+def accumulate(repo: Path, name: str, strategy: str, corrid: str = "TYPE_UINT64", idle_us: int = 60_000_000) -> None:
+    """A stateful python model (sequence_batching, implicit state, START/READY/CORRID controls)."""
+    corr_out = "CORRID" if corrid else ""
+    python_model(repo, name, ACCUMULATE_MODEL, f"""
+backend: python
+max_batch_size: 2
+input: [{{name: INPUT, data_type: TYPE_INT32, dims: [1]}}]
+output:
+  - {{name: OUTPUT, data_type: TYPE_INT32, dims: [1]}}
+  - {{name: CORR, data_type: {corrid}, dims: [1]}}
+sequence_batching:
+  max_sequence_idle_microseconds: {idle_us}
+  {strategy}
+  control_input:
+    - {{name: START, control: [{{kind: CONTROL_SEQUENCE_START, int32_false_true: [0, 1]}}]}}
+    - {{name: READY, control: [{{kind: CONTROL_SEQUENCE_READY, int32_false_true: [0, 1]}}]}}
+    - {{name: {corr_out}, control: [{{kind: CONTROL_SEQUENCE_CORRID, data_type: {corrid}}}]}}
+  state: [{{input_name: ACC_IN, output_name: ACC_OUT, data_type: TYPE_INT32, dims: [1]}}]
+instance_group: [{{count: 1, kind: KIND_CPU}}]
+""")

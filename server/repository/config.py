@@ -18,7 +18,7 @@ from server.errors import ConfigError
 from server.repository import config_errors
 
 CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
-_SUPPORTED_SCHEDULING = {None, "dynamic_batching", "ensemble_scheduling"}
+_SUPPORTED_SCHEDULING = {None, "dynamic_batching", "ensemble_scheduling", "sequence_batching"}
 
 
 def shown(path: Path, model_dir: Path) -> str:
@@ -85,7 +85,7 @@ def validate(config: mc.ModelConfig, source: str) -> None:
     scheduling = config.WhichOneof("scheduling_choice")
     if scheduling not in _SUPPORTED_SCHEDULING:
         raise field_error(source, scheduling, "is not supported by Ferry yet (supported: dynamic_batching, "
-                          "ensemble_scheduling)")
+                          "ensemble_scheduling, sequence_batching)")
     if (scheduling == "ensemble_scheduling") != (config.platform == "ensemble"):
         raise field_error(source, "ensemble_scheduling", "and platform: \"ensemble\" go together (one is set without the other)")
     for kind, tensors in (("input", config.input), ("output", config.output)):

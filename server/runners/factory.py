@@ -6,6 +6,7 @@ what comes back only as a `Runner`. A new model kind is one more branch here and
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +19,8 @@ from server.repository.ensemble_config import step_order
 from server.runners.base import Runner
 from server.runners.batch import ModelRunner
 from server.runners.decoupled import DecoupledRunner
+from server.runners.sequence import SequenceRunner
+from server.runners.sequence_inputs import SequenceInputs
 from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
 from server.runners.settings import batching_settings, binpack_settings, generation_settings, request_queue
@@ -27,6 +30,7 @@ from server.scheduling.budget import ByteBudget
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.dynamic import DynamicBatcher
 from server.scheduling.kv_blocks import KVBlockPool
+from server.scheduling.sequence_slots import SequenceSlots
 from server.worker import Worker
 
 if TYPE_CHECKING:
@@ -55,6 +59,8 @@ class RunnerFactory:
             return generation_runner(name, entry, stats, gen_stats, budget)
         if entry.config.model_transaction_policy.decoupled:
             return decoupled_runner(name, entry, stats, budget)
+        if entry.config.HasField("sequence_batching"):
+            return sequence_runner(name, entry, stats, budget, self.max_queued)
         workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
                            preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget)
@@ -66,6 +72,25 @@ def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUEST
     if config.HasField("binpack_batching"):
         return BinPackBatcher(settings, binpack_settings(config), queue)
     return DynamicBatcher(settings, queue)
+
+
+def sequence_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget,
+                    max_queued: int) -> SequenceRunner:
+    """A batching runner over the model's instances (which see controls and state), behind the sequence runner."""
+    config, sb = entry.config, entry.config.sequence_batching
+    extra = SequenceInputs.from_config(config, f"model '{name}'")
+    signature = extra.worker_signature(entry.signature)
+    workers = [Worker(b, signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
+    batching = copy.deepcopy(config)  # the strategy's window and sizes, as dynamic batching reads them
+    strategy = sb.oldest if sb.WhichOneof("strategy_choice") == "oldest" else sb.direct
+    batching.dynamic_batching.max_queue_delay_microseconds = strategy.max_queue_delay_microseconds
+    if sb.WhichOneof("strategy_choice") == "oldest":
+        batching.dynamic_batching.preferred_batch_size.extend(sb.oldest.preferred_batch_size)
+        capacity = sb.oldest.max_candidate_sequences
+    else:  # direct: one slot per batch row of every instance
+        capacity = max(config.max_batch_size, 1) * len(workers)
+    inner = ModelRunner(name, entry.version, build_scheduler(batching, max_queued), workers, stats, budget=budget)
+    return SequenceRunner(inner, extra, SequenceSlots(capacity, sb.max_sequence_idle_microseconds * 1000))
 
 
 def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget) -> DecoupledRunner:
