@@ -85,6 +85,42 @@ def batching(client) -> dict:
             "execution_count": int(stats.get("execution_count", 0)), "inference_count": int(stats.get("inference_count", 0))}
 
 
+def interleaved(client, model: str) -> dict:
+    """Two sequences, one request of each in flight at a time: each round is one batch of both."""
+    done = queue.Queue()
+    answers = {1001: [], 1002: []}
+    values = {1001: [1, 2, 3, 4], 1002: [10, 20, 30, 40]}
+    for step in range(4):
+        for cid in (1001, 1002):
+            x = np.array([[values[cid][step]]], np.int32)
+            client.async_infer(model, [tensor("INPUT", x, "INT32")], sequence_id=cid, sequence_start=step == 0,
+                               sequence_end=step == 3, callback=lambda result, error: done.put((result, error)))
+        for _ in range(2):
+            result, err = done.get(timeout=60)
+            assert err is None, err
+            answers[int(result.as_numpy("CORR")[0, 0])].append(int(result.as_numpy("OUTPUT")[0, 0]))
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]
+    return {"answers": {str(k): v for k, v in answers.items()}, "execution_count": int(stats["execution_count"]),
+            "inference_count": int(stats["inference_count"]),
+            "batch_sizes": sorted(int(b["batch_size"]) for b in stats.get("batch_stats", []))}
+
+
+def string_ids(client) -> dict:
+    answers = {}
+    for cid, values in (("alpha", [5, 6]), ("beta", [100, 1])):
+        for i, v in enumerate(values):
+            result = client.infer("acc_string", [tensor("INPUT", np.array([[v]], np.int32), "INT32")], sequence_id=cid,
+                                  sequence_start=i == 0, sequence_end=i == len(values) - 1)
+            answers.setdefault(cid, []).append([int(result.as_numpy("OUTPUT")[0, 0]),
+                                                result.as_numpy("CORR")[0, 0].decode()])
+    no_start = error(lambda: client.infer("acc_string", [tensor("INPUT", np.array([[1]], np.int32), "INT32")],
+                                          sequence_id="gamma"))
+    no_id = error(lambda: client.infer("acc_string", [tensor("INPUT", np.array([[1]], np.int32), "INT32")]))
+    return {"answers": answers, "no_start": no_start, "no_id": no_id}
+
+
 if __name__ == "__main__":
     c = tc.InferenceServerClient(sys.argv[1])
-    print(json.dumps({"ensembles": ensembles(c), "repeat": repeat(c), "batching": batching(c)}))
+    print(json.dumps({"ensembles": ensembles(c), "repeat": repeat(c), "batching": batching(c),
+                      "direct": interleaved(c, "acc_direct"), "oldest": interleaved(c, "acc_oldest"),
+                      "string_ids": string_ids(c)}))
