@@ -79,6 +79,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     server_budget, model_bytes = byte_budgets(config)
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes)
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
+    factory.models.bind(registry.get)  # ensembles find their step models at call time
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]

@@ -15,7 +15,7 @@ from server.errors import InvalidInputError, UnsupportedError
 from server.names import capped
 from server.repository.registry import ModelVersion, Registry
 from server.request import InferRequest
-from server.runners.base import GENERATE, INFER
+from server.runners.base import DECOUPLED, GENERATE, INFER
 
 
 def serving(registry: Registry, name: str, version: str, serves: str) -> ModelVersion:
@@ -23,6 +23,9 @@ def serving(registry: Registry, name: str, version: str, serves: str) -> ModelVe
     mv = registry.get(name, version)
     if mv.runner.serves == serves:
         return mv
+    if serves == INFER and mv.runner.serves == DECOUPLED:
+        raise UnsupportedError(f"ModelInfer does not serve model '{mv.name}': its transaction policy is decoupled "
+                               "(0..N responses per request); send its requests on ModelStreamInfer")
     if serves == INFER:
         raise UnsupportedError(
             f"model '{mv.name}' is a generation model (decoupled): it streams tokens instead of answering one infer; "

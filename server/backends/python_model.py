@@ -4,7 +4,9 @@ The file defines `class Model` with `execute(self, inputs: dict[str, np.ndarray]
 and, optionally, `initialize(self, args: dict)` and `finalize(self)`. `args` holds `config` (the model
 config as a dict), `version_dir`, `device` and `instance` (0-based among the model's instances). Each
 instance gets its own `Model` object; the instances of one load share one import of `model.py`, so
-module-level state is shared by them. Every load imports the file afresh under a name of its own
+module-level state is shared by them. A batching model's `execute` gets every request of the batch
+joined along dim 0 (true batching: one call per batch); a decoupled model's `execute` is a generator
+yielding one dict per response (runners/decoupled.py). Every load imports the file afresh under a name of its own
 (never entered in sys.modules): an edited `model.py` takes effect on RepositoryModelLoad or a
 repository poll, and the module is dropped when the last instance of its load is unloaded.
 """
@@ -88,6 +90,14 @@ class PythonBackend(Backend):
 
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {name: np.asarray(value) for name, value in self.model.execute(inputs).items()}
+
+    def responses(self, inputs: dict[str, np.ndarray]):
+        """A decoupled model's `execute` yields its responses (dicts of outputs), 0..N per request."""
+        produced = self.model.execute(inputs)
+        if isinstance(produced, dict):
+            raise ConfigError(f"model '{self.config.name}' is decoupled: its execute must yield one dict per response "
+                              "(a generator), not return a dict")
+        yield from produced
 
     def unload(self) -> None:
         if self.model is not None and hasattr(self.model, "finalize"):

@@ -19,7 +19,7 @@ from server.repository import config_errors
 from server.reshape import validate as validate_reshape
 
 CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
-_SUPPORTED_SCHEDULING = {None, "dynamic_batching"}
+_SUPPORTED_SCHEDULING = {None, "dynamic_batching", "ensemble_scheduling", "sequence_batching"}
 
 
 def shown(path: Path, model_dir: Path) -> str:
@@ -85,7 +85,10 @@ def validate(config: mc.ModelConfig, source: str) -> None:
         raise field_error(source, "max_batch_size", f"must be >= 0, got {config.max_batch_size}")
     scheduling = config.WhichOneof("scheduling_choice")
     if scheduling not in _SUPPORTED_SCHEDULING:
-        raise field_error(source, scheduling, "is not supported by Ferry yet (supported: dynamic_batching)")
+        raise field_error(source, scheduling, "is not supported by Ferry yet (supported: dynamic_batching, "
+                          "ensemble_scheduling, sequence_batching)")
+    if (scheduling == "ensemble_scheduling") != (config.platform == "ensemble"):
+        raise field_error(source, "ensemble_scheduling", "and platform: \"ensemble\" go together (one is set without the other)")
     for kind, tensors in (("input", config.input), ("output", config.output)):
         if not tensors:
             raise field_error(source, kind, f"is empty and the model file does not declare its {kind}s")

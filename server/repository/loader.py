@@ -18,6 +18,7 @@ from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.names import is_version_folder
 from server.repository import config as config_io
+from server.repository import ensemble_config
 from server.signature import Signature
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ def load_model(model_dir: Path, default_max_batch_size: int,
     on_disk = version_dirs(model_dir)
     if not on_disk:
         raise ConfigError(f"{model_dir.name}/: no numbered version folder (e.g. {model_dir.name}/1/)")
+    if ensemble_config.is_ensemble(base):
+        return base, [_ensemble_version(base, number, on_disk, source) for number in
+                      select_versions(base.version_policy, list(on_disk))]
     name = backends.resolve_backend_name(base, list(on_disk.values()), source)
     if not base.backend:
         base.backend = name
@@ -117,6 +121,17 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
         backend.load()
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
+
+
+def _ensemble_version(base: mc.ModelConfig, number: int, on_disk: dict[int, Path], source: str) -> LoadedVersion:
+    """An ensemble runs no backend of its own: a version is its checked config and signature."""
+    if number not in on_disk:
+        return LoadedVersion(number, error=f"{source}: version_policy names version {number} but it does not exist")
+    config = copy.deepcopy(base)
+    config.platform = ensemble_config.ENSEMBLE
+    config_io.validate(config, source)
+    ensemble_config.step_order(config, source)
+    return LoadedVersion(number, config, Signature.from_config(config))
 
 
 def _model_file(config: mc.ModelConfig, backend_cls, version_dir: Path) -> Path:

@@ -17,7 +17,7 @@ from server.request import InferRequest
 from server.rpc import codec
 from server.rpc.errors import translate_errors
 from server.rpc.stream_infer import stream_infer
-from server.runners.base import INFER
+from server.runners.base import DECOUPLED, INFER
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy"]
@@ -112,9 +112,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         async def infer_one(request, arrival):
             return await self._infer(request, arrival, context.time_remaining())
 
+        def stream_one(request, arrival):
+            return self._stream(request, arrival, context.time_remaining())
+
         remaining = context.time_remaining()
         deadline = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else None
-        async with contextlib.aclosing(stream_infer(self.registry, request_iterator, infer_one, deadline)) as responses:
+        streams = stream_infer(self.registry, request_iterator, infer_one, deadline, stream_one)
+        async with contextlib.aclosing(streams) as responses:
             async for response in responses:
                 yield response
 
@@ -124,6 +128,15 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
         return codec.encode_response(request, mv.version, _classified(request, outputs, mv.signature), names)
+
+    async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
+        """A decoupled model's responses to one request, each encoded as it comes."""
+        mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
+        infer = _decode(request, mv, arrival, remaining_s)
+        wanted = infer.requested_outputs or tuple(mv.signature.outputs)
+        async with contextlib.aclosing(mv.runner.stream(infer)) as responses:
+            async for outputs in responses:
+                yield codec.encode_response(request, mv.version, outputs, tuple(n for n in wanted if n in outputs))
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:

@@ -3,7 +3,10 @@
 Requests to ordinary models are answered exactly once each, in the order they arrived on the stream
 (while they run concurrently, so they still batch). Requests to generation models (decoupled) are
 read with Triton's vLLM tensor conventions (vllm_tensors.py) and answered as their tokens come; each
-response carries `triton_final_response`. Errors go back as `error_message` and the stream goes on.
+response carries `triton_final_response`. Decoupled python models answer 0..N times as the model
+yields, each with `triton_final_response: false`; as in Triton, the end is marked by an empty final
+response when the request asks for one (`triton_enable_empty_final_response`, tritonclient's
+`enable_empty_final_response=True`). Errors go back as `error_message` and the stream goes on.
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ from server.repository.registry import ModelVersion, Registry
 from server.rpc import vllm_tensors
 from server.frontdoor import serving
 from server.rpc.passthrough import Undecodable
-from server.runners.base import GENERATE
+from server.runners.base import DECOUPLED, GENERATE
 
 InferOne = Callable[[pb.ModelInferRequest, int], Awaitable[pb.ModelInferResponse]]
+StreamOne = Callable[[pb.ModelInferRequest, int], AsyncIterator[pb.ModelInferResponse]]
 
 
 async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInferRequest], infer_one: InferOne,
-                       deadline_ns: int | None = None) -> AsyncIterator[pb.ModelStreamInferResponse]:
-    """`deadline_ns`: the stream's own gRPC deadline, which bounds every generation on it."""
+                       deadline_ns: int | None = None,
+                       stream_one: StreamOne | None = None) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """`deadline_ns`: the stream's own gRPC deadline, which bounds every generation on it;
+    `stream_one`: answers a request to a decoupled model, 0..N responses."""
     out: asyncio.Queue = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
     previous: asyncio.Future | None = None  # the last ordered answer, which the next one waits for
@@ -37,7 +43,8 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
         try:
             async for request in requests:
                 turn = asyncio.get_running_loop().create_future()
-                task = asyncio.create_task(_serve(registry, request, infer_one, out, previous, turn, deadline_ns))
+                task = asyncio.create_task(_serve(registry, request, (infer_one, stream_one), out, previous, turn,
+                                                       deadline_ns))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 previous = turn
@@ -55,12 +62,18 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
             task.cancel()
 
 
-async def _serve(registry, request, infer_one, out, previous, turn, deadline_ns) -> None:
+async def _serve(registry, request, answer, out, previous, turn, deadline_ns) -> None:
     arrival = time.monotonic_ns()
+    infer_one, stream_one = answer
     try:
         if isinstance(request, Undecodable):  # a message that did not parse: answered here, the stream goes on
             raise request.error
-        if registry.get(request.model_name, request.model_version).runner.serves == GENERATE:
+        serves = registry.get(request.model_name, request.model_version).runner.serves
+        if serves == DECOUPLED and stream_one is not None:
+            turn.set_result(None)  # its responses interleave freely with the others
+            await _decoupled(stream_one(request, arrival), request, out)
+            return
+        if serves == GENERATE:
             turn.set_result(None)  # decoupled: its responses interleave freely with the others
             async with contextlib.aclosing(_generate(registry, request, arrival, deadline_ns)) as responses:
                 async for response in responses:
@@ -76,6 +89,16 @@ async def _serve(registry, request, infer_one, out, previous, turn, deadline_ns)
     out.put_nowait(response)
     if not turn.done():
         turn.set_result(None)
+
+
+async def _decoupled(responses: AsyncIterator[pb.ModelInferResponse], request: pb.ModelInferRequest, out) -> None:
+    async with contextlib.aclosing(responses):
+        async for response in responses:
+            out.put_nowait(pb.ModelStreamInferResponse(infer_response=_final(response, False)))
+    wants = request.parameters.get("triton_enable_empty_final_response")
+    if wants is not None and wants.bool_param:
+        empty = pb.ModelInferResponse(id=request.id, model_name=request.model_name, model_version=request.model_version)
+        out.put_nowait(pb.ModelStreamInferResponse(infer_response=_final(empty, True)))
 
 
 def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferResponse:

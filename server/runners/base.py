@@ -20,14 +20,14 @@ from server.scheduling.budget import ByteBudget
 
 log = logging.getLogger(__name__)
 
-INFER, GENERATE = "infer", "generate"
+INFER, GENERATE, DECOUPLED = "infer", "generate", "decoupled"  # DECOUPLED: 0..N responses per request
 
 
 class Runner(Protocol):
     name: str
     version: int
     stats: ModelStats
-    serves: str  # INFER or GENERATE: which front-door calls it answers
+    serves: str  # INFER, GENERATE or DECOUPLED: which front-door calls it answers
 
     def start(self) -> None:
         """Start serving, on the running event loop."""

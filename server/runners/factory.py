@@ -6,6 +6,7 @@ what comes back only as a `Runner`. A new model kind is one more branch here and
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,8 +15,13 @@ from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
 from server.generation_metrics import GenerationFamilies, GenerationStats
 from server.metrics import Histograms, ModelStats
+from server.repository.ensemble_config import step_order
 from server.runners.base import Runner
 from server.runners.batch import ModelRunner
+from server.runners.decoupled import DecoupledRunner
+from server.runners.sequence import SequenceRunner
+from server.runners.sequence_inputs import SequenceInputs
+from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
 from server.runners.settings import batching_settings, binpack_settings, generation_settings, request_queue
 from server.scheduling.base import Scheduler
@@ -24,6 +30,7 @@ from server.scheduling.budget import ByteBudget
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.dynamic import DynamicBatcher
 from server.scheduling.kv_blocks import KVBlockPool
+from server.scheduling.sequence_slots import SequenceSlots
 from server.worker import Worker
 
 if TYPE_CHECKING:
@@ -39,14 +46,21 @@ class RunnerFactory:
     max_queued: int = MAX_QUEUED_REQUESTS
     server_budget: ByteBudget = field(default_factory=lambda: ByteBudget(0, "the server"))
     max_model_queued_bytes: int = 0  # per version, within the server's budget (0: only the server's)
+    models: LateLookup = field(default_factory=LateLookup)  # the registry's lookup, for ensemble steps
 
     def __call__(self, name: str, entry: LoadedVersion) -> Runner:
         """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
         stats = ModelStats(name, entry.version, self.histograms)
         budget = ByteBudget(self.max_model_queued_bytes, f"model '{name}' version {entry.version}", self.server_budget)
+        if entry.config.platform == "ensemble":
+            return EnsembleRunner(name, entry.version, entry.config, step_order(entry.config, name), self.models, stats)
         if entry.config.backend == "llm":
             gen_stats = GenerationStats(self.generation_families, name, entry.version)
             return generation_runner(name, entry, stats, gen_stats, budget)
+        if entry.config.model_transaction_policy.decoupled:
+            return decoupled_runner(name, entry, stats, budget)
+        if entry.config.HasField("sequence_batching"):
+            return sequence_runner(name, entry, stats, budget, self.max_queued)
         workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
                            preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget)
@@ -58,6 +72,32 @@ def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUEST
     if config.HasField("binpack_batching"):
         return BinPackBatcher(settings, binpack_settings(config), queue)
     return DynamicBatcher(settings, queue)
+
+
+def sequence_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget,
+                    max_queued: int) -> SequenceRunner:
+    """A batching runner over the model's instances (which see controls and state), behind the sequence runner."""
+    config, sb = entry.config, entry.config.sequence_batching
+    extra = SequenceInputs.from_config(config, f"model '{name}'")
+    signature = extra.worker_signature(entry.signature)
+    workers = [Worker(b, signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
+    batching = copy.deepcopy(config)  # the strategy's window and sizes, as dynamic batching reads them
+    strategy = sb.oldest if sb.WhichOneof("strategy_choice") == "oldest" else sb.direct
+    batching.dynamic_batching.max_queue_delay_microseconds = strategy.max_queue_delay_microseconds
+    if sb.WhichOneof("strategy_choice") == "oldest":
+        batching.dynamic_batching.preferred_batch_size.extend(sb.oldest.preferred_batch_size)
+        capacity = sb.oldest.max_candidate_sequences
+    else:  # direct: one slot per batch row of every instance
+        capacity = max(config.max_batch_size, 1) * len(workers)
+    inner = ModelRunner(name, entry.version, build_scheduler(batching, max_queued), workers, stats, budget=budget)
+    return SequenceRunner(inner, extra, SequenceSlots(capacity, sb.max_sequence_idle_microseconds * 1000))
+
+
+def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget) -> DecoupledRunner:
+    if entry.config.backend != "python":
+        raise ConfigError(f"model '{name}': model_transaction_policy.decoupled needs the python backend "
+                          f"(a model.py whose execute yields responses), not {entry.config.backend!r}")
+    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget)
 
 
 def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats,

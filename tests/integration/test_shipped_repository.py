@@ -16,10 +16,23 @@ def test_every_shipped_model_is_ready_and_answers():
     try:
         models = kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest()).models
         assert {(m.name, m.state) for m in models} == {
-            ("simple", "READY"), ("classifier", "READY"), ("scaler_torchscript", "READY"), ("tiny_llama", "READY")}
+            ("simple", "READY"), ("classifier", "READY"), ("scaler_torchscript", "READY"), ("tiny_llama", "READY"),
+            ("preprocess", "READY"), ("postprocess", "READY"), ("pipeline", "READY"), ("repeat_int32", "READY"),
+            ("simple_sequence", "READY")}
         a = np.arange(32, dtype=np.float32).reshape(2, 16)
         out = kserve.infer(server.channel, "simple", {"INPUT0": a, "INPUT1": a})
         np.testing.assert_array_equal(out["OUTPUT0"], 2 * a)
+        raw = np.arange(32, dtype=np.float32).reshape(2, 16)
+        result = kserve.infer(server.channel, "pipeline", {"RAW": raw})["RESULT"]
+        np.testing.assert_array_equal(result, (3 * raw + 1) * (raw - 1))  # (2r + (r+1)) * (2r - (r+1))
+        sums = []
+        for i, value in enumerate([3, 4, 5]):
+            request = kserve.request("simple_sequence", {"INPUT": np.array([[value]], np.int32)})
+            request.parameters["sequence_id"].int64_param = 42
+            request.parameters["sequence_start"].bool_param = i == 0
+            request.parameters["sequence_end"].bool_param = i == 2
+            sums.append(int(kserve.outputs(kserve.stub(server.channel).ModelInfer(request, timeout=30))["OUTPUT"][0, 0]))
+        assert sums == [3, 7, 12]
         probs = kserve.infer(server.channel, "classifier", {"features": np.ones((3, 32), np.float32)})["probabilities"]
         assert probs.shape == (3, 4)
         np.testing.assert_allclose(probs.sum(axis=1), 1, rtol=1e-5)

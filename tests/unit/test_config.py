@@ -77,7 +77,7 @@ def test_parse_errors_name_file_and_field(tmp_path, name, text, words):
     (lambda c: setattr(c.input[0], "data_type", mc.TYPE_INVALID), "input[0].data_type"),
     (lambda c: c.dynamic_batching.preferred_batch_size.append(16), "preferred_batch_size"),
     (lambda c: c.input.add(name="x", data_type=mc.TYPE_FP32, dims=[1]), "input[1].name"),
-    (lambda c: c.sequence_batching.SetInParent(), "sequence_batching"),
+    (lambda c: c.ensemble_scheduling.SetInParent(), "ensemble_scheduling"),  # without platform: "ensemble"
 ])
 def test_validation_names_the_field(tmp_path, mutate, field):
     config = config_io.read_config(write(tmp_path, "config.yaml", YAML))

@@ -1,0 +1,131 @@
+"""The decoupled runner: a python model that answers each request with 0..N responses, as they come.
+
+A decoupled model (`model_transaction_policy { decoupled: true }`) is Triton's way to stream from
+user code: a `repeat` model, a tokenizer that emits pieces, a detector that reports as it goes.
+Its `execute` is a generator: every dict it yields is one response, sent at once. Each request runs
+alone on one instance's thread (the model decides how many responses a request gets, so there is
+nothing to join); requests wait for a free instance in arrival order. A caller that goes away stops
+its generator at the next response, and the instance is free again only once its thread is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+import numpy as np
+
+from server.backends.base import Backend
+from server.errors import BackendError, FerryError, ModelUnavailableError
+from server.metrics import ModelStats
+from server.request import InferRequest
+from server.runners.base import DECOUPLED, RunnerBase
+from server.scheduling.budget import ByteBudget
+from server.signature import Signature
+
+_DONE = object()
+
+
+class DecoupledRunner(RunnerBase):
+    serves = DECOUPLED
+
+    def __init__(self, name: str, version: int, backends: list[Backend], signature: Signature, stats: ModelStats,
+                 budget: ByteBudget | None = None):
+        super().__init__(name, version, stats, budget)
+        self.backends, self.signature = backends, signature
+        self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{version}-{i}") for i in range(len(backends))]
+        self._idle: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(len(backends)):
+            self._idle.put_nowait(i)
+        self._streams = 0  # admitted, not yet finished
+        self._stops: set[threading.Event] = set()  # one per running generator, set to stop it
+
+    async def stream(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The request's responses as the model yields them; raises a FerryError if the model fails."""
+        self._admit_check()
+        self._take_bytes(request.nbytes, request.arrival_ns)
+        self._streams += 1
+        ok = False
+        try:
+            instance = await self._idle.get()
+            self.stats.record_queued(time.monotonic_ns() - request.arrival_ns)
+            async for outputs in self._run(instance, request):
+                yield outputs
+            ok = True
+        except FerryError:
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="BACKEND")
+            raise
+        finally:
+            self._give_bytes(request.nbytes)
+            self._streams -= 1
+            self._wake.set()
+            if ok:
+                self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
+
+    async def _run(self, instance: int, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
+        loop = asyncio.get_running_loop()
+        responses: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+        self._stops.add(stop)
+
+        def put(item) -> None:
+            loop.call_soon_threadsafe(responses.put_nowait, item)
+
+        started = time.monotonic_ns()
+        running = loop.run_in_executor(self._threads[instance], self._produce, instance, request.inputs, put, stop)
+        running.add_done_callback(lambda _: self._idle.put_nowait(instance))  # free once its thread is
+        try:
+            while (item := await responses.get()) is not _DONE:
+                if isinstance(item, FerryError):
+                    raise item
+                yield item
+        finally:
+            stop.set()
+            self._stops.discard(stop)
+        self.stats.record_batch(request.batch_size, 1, 0, time.monotonic_ns() - started, 0)
+
+    def _produce(self, instance: int, inputs: dict[str, np.ndarray], put, stop: threading.Event) -> None:
+        """On the instance's thread: run the generator, hand each response to the loop."""
+        try:
+            for outputs in self.backends[instance].responses(inputs):
+                if stop.is_set():
+                    return
+                put(self._checked(outputs))
+        except FerryError as exc:
+            put(exc)
+        except Exception as exc:  # noqa: BLE001 - a model's failure fails its own request
+            put(BackendError(f"model '{self.name}' failed: {type(exc).__name__}: {exc}"))
+        finally:
+            put(_DONE)
+
+    def _checked(self, outputs: dict) -> dict[str, np.ndarray]:
+        checked = {}
+        for name, value in outputs.items():
+            spec = self.signature.outputs.get(name)
+            if spec is None:
+                raise BackendError(f"model '{self.name}' sent output '{name}', which its config does not declare")
+            array = np.asarray(value)
+            if spec.datatype.api != "BYTES" and array.dtype != spec.datatype.numpy:
+                raise BackendError(f"model '{self.name}' sent output '{name}' as {array.dtype}; "
+                                   f"the config declares {spec.datatype.config}")
+            checked[name] = array
+        return checked
+
+    async def _loop(self) -> None:
+        """Nothing to schedule: wait for the close, then for the streams still running."""
+        while self._accepting or self._streams:
+            self._wake.clear()
+            await self._wake.wait()
+
+    def _abandon_all(self, error: ModelUnavailableError) -> None:
+        """Streams still running end when their generators do; their callers see the stream end."""
+
+    async def _shutdown(self) -> None:
+        for stop in list(self._stops):  # past the grace period: generators stop at their next response
+            stop.set()
+        for thread, backend in zip(self._threads, self.backends):
+            await asyncio.to_thread(thread.shutdown, True)
+            await asyncio.to_thread(backend.unload)

@@ -1,0 +1,115 @@
+"""The sequence runner: stateful models, whose requests belong to sequences (correlation ids).
+
+A client marks a sequence's requests with `sequence_id` (uint64 or string), `sequence_start` and
+`sequence_end`, as tritonclient does. The runner keeps each sequence's requests in order (a stream
+may send them all at once), gives the model the control inputs (START, END, READY, CORRID) and the
+implicit state carried from the sequence's previous request, and hands the request to an ordinary
+batching runner, so requests of different sequences are batched together (at most one per sequence
+in a batch, since a sequence's next request waits for its previous answer). Live sequences, their
+slots and idle release are the pure policy in scheduling/sequence_slots.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import numpy as np
+
+from server.errors import InvalidInputError, ModelUnavailableError, QueueFullError
+from server.request import InferRequest
+from server.runners.base import INFER, RunnerBase
+from server.runners.batch import ModelRunner
+from server.runners.sequence_inputs import CORRID, SequenceFlags, SequenceInputs, sequence_flags
+from server.scheduling.sequence_slots import SequenceSlots
+
+log = logging.getLogger(__name__)
+
+
+class SequenceRunner(RunnerBase):
+    serves = INFER
+
+    def __init__(self, inner: ModelRunner, extra: SequenceInputs, slots: SequenceSlots):
+        super().__init__(inner.name, inner.version, inner.stats, inner.budget)
+        self.inner, self.extra, self.slots = inner, extra, slots
+        self._tails: dict[object, asyncio.Future] = {}  # per sequence: its last request's completion
+        self._busy: dict[object, int] = {}  # sequences with a request in flight (never released idle)
+
+    def start(self) -> None:
+        self.inner.start()
+        super().start()
+
+    async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
+        self._admit_check()
+        flags = sequence_flags(request.parameters, self.name)
+        self._check_corrid(flags)
+        previous = self._tails.get(flags.cid)
+        mine = self._tails[flags.cid] = asyncio.get_running_loop().create_future()
+        self._busy[flags.cid] = self._busy.get(flags.cid, 0) + 1
+        try:
+            if previous is not None:
+                await asyncio.shield(previous)  # the sequence's earlier request answers first
+            return await self._run(request, flags)
+        finally:
+            mine.set_result(None)
+            if self._tails.get(flags.cid) is mine:
+                del self._tails[flags.cid]
+            self._busy[flags.cid] -= 1
+            if not self._busy[flags.cid]:
+                del self._busy[flags.cid]
+            self._wake.set()
+
+    async def _run(self, request: InferRequest, flags: SequenceFlags) -> dict[str, np.ndarray]:
+        now = time.monotonic_ns()
+        live = self.slots.begin(flags.cid, now) if flags.start else self.slots.touch(flags.cid, now)
+        if live is None and flags.start:
+            raise QueueFullError(f"model '{self.name}': all {self.slots.capacity} sequence slots are in use; "
+                                 "retry when a sequence ends or goes idle")
+        if live is None:
+            raise InvalidInputError(f"inference request for sequence {flags.cid!r} to model '{self.name}' must "
+                                    "specify the START flag on the first request of the sequence (it is not active: "
+                                    "never started, ended, or released after being idle)")
+        if request.batch_size != 1:
+            raise InvalidInputError(f"model '{self.name}' serves sequences: each request carries one row, got {request.batch_size}")
+        request.inputs = {**request.inputs, **self.extra.tensors(flags.cid, flags.start, flags.end, live.state)}
+        try:
+            outputs = await self.inner.infer(request)
+        except BaseException:
+            self.slots.end(flags.cid)  # a failed step leaves no state to carry on from
+            raise
+        live.state = self.extra.carried(outputs)
+        self.slots.touch(flags.cid, time.monotonic_ns())
+        if flags.end:
+            self.slots.end(flags.cid)
+        return self.extra.visible(outputs)
+
+    def _check_corrid(self, flags: SequenceFlags) -> None:
+        for c in self.extra.controls:
+            if c.kind == CORRID and (c.dtype.api == "BYTES") != isinstance(flags.cid, str):
+                kind = "a string" if c.dtype.api == "BYTES" else "an integer"
+                raise InvalidInputError(f"model '{self.name}' takes {kind} correlation id ('sequence_id'), "
+                                        f"got {flags.cid!r}")
+
+    async def _loop(self) -> None:
+        """Release idle sequences on time; end when closed and the inner runner has drained."""
+        while self._accepting:
+            for cid in self.slots.expire(time.monotonic_ns(), set(self._busy)):
+                log.info("model '%s': sequence %r released after %.3f s idle", self.name, cid, self.slots.idle_ns / 1e9)
+            self._wake.clear()
+            wake_ns = self.slots.next_event_ns()
+            timeout = None if wake_ns is None else max(0.0, (wake_ns - time.monotonic_ns()) / 1e9)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
+
+    async def close(self, grace_s: float) -> None:
+        self._accepting = False
+        self._wake.set()
+        await self.inner.close(grace_s)
+        if self._task is not None:
+            await self._task
+
+    def _abandon_all(self, error: ModelUnavailableError) -> None:
+        """Admitted requests wait on the inner runner, which answers them however it stops."""
