@@ -32,20 +32,6 @@ class Runner(Protocol):
     def start(self) -> None:
         """Start serving, on the running event loop."""
 
-    def _take_bytes(self, nbytes: int, arrival_ns: int) -> None:
-        """Charge an admitted request's data to the byte budgets, or refuse it (UNAVAILABLE) as a full queue is."""
-        try:
-            self.budget.take(nbytes)
-        except QueueFullError:
-            self.stats.record_done(time.monotonic_ns() - arrival_ns, ok=False, reason="REJECTED")
-            raise
-        self.stats.queued_bytes = self.budget.held
-
-    def _give_bytes(self, nbytes: int) -> None:
-        """The request is answered (whatever the outcome): its data no longer counts."""
-        self.budget.give(nbytes)
-        self.stats.queued_bytes = self.budget.held
-
     async def close(self, grace_s: float) -> None:
         """Stop admitting; finish admitted work within `grace_s`; answer the rest UNAVAILABLE; release."""
 
