@@ -1,5 +1,8 @@
 """The client side of the `ferry` command: models, health, infer, generate and perf.
 
+`--url http://HOST:8000` (or https://) sends models, health, infer and generate through the HTTP
+front door instead of gRPC (clients/rest.py), for where only that port is reachable; perf drives gRPC.
+
 `add_client_commands` registers them beside `ferry serve`; `python -m clients` runs them without the
 server installed. Every handler returns the exit status: 0 done, 1 the server said no (or is not
 ready), 2 the command line was wrong.
@@ -19,6 +22,7 @@ from clients import perf, report, tensors
 from clients.client import InferenceClient
 from clients.errors import FerryClientError
 from clients.messages import GenerateDelta
+from clients.rest import RestClient, is_http_url
 from clients.progress import ProgressBar
 
 DEFAULT_URL = "127.0.0.1:8001"
@@ -29,7 +33,8 @@ def add_client_commands(sub) -> None:
     connection = argparse.ArgumentParser(add_help=False)
     connection.add_argument("--url", default=DEFAULT_URL,
                             help=f"server HOST:PORT (default {DEFAULT_URL}); several replicas as H1:P1,H2:P2 or "
-                                 "dns:///NAME:PORT are balanced by the client (round_robin, health checks, retries)")
+                                 "dns:///NAME:PORT are balanced by the client (round_robin, health checks, retries); "
+                                 "http://HOST:PORT (or https://) uses the HTTP front door instead (not for perf)")
     connection.add_argument("--timeout", type=float, help="deadline of each call in seconds (default: none)")
     tls = connection.add_argument_group("TLS")
     tls.add_argument("--ssl", action="store_true", help="TLS with the system's trust store")
@@ -135,8 +140,10 @@ def _guard(handler):
     return run
 
 
-def _client(args) -> InferenceClient:
-    return InferenceClient(args.url, timeout_s=args.timeout, **_client_options(args))
+def _client(args) -> InferenceClient | RestClient:
+    """gRPC, or the HTTP front door for an http:// or https:// URL (same results, same errors)."""
+    kind = RestClient if is_http_url(args.url) else InferenceClient
+    return kind(args.url, timeout_s=args.timeout, **_client_options(args))
 
 
 def _client_options(args) -> dict:
@@ -265,6 +272,8 @@ def _generation_summary(final: GenerateDelta) -> str:
 def _perf(args) -> int:
     if args.json == "-" and args.csv == "-":
         raise ValueError("--json and --csv cannot both print to stdout; give one of them a FILE")
+    if is_http_url(args.url):
+        raise ValueError("perf drives the gRPC port; give --url HOST:PORT of gRPC (8001 by default), not http://")
     mode = "rate" if args.request_rate else "concurrency"
     levels = _levels(args.request_rate, float) if args.request_rate else _levels(args.concurrency or "1", int)
     duration = args.duration if args.duration is not None or args.requests is not None else 5.0
