@@ -24,6 +24,7 @@ from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
 from server.runners.factory import RunnerFactory
 from server.scheduling.budget import ByteBudget
+from server.shared_memory import SharedMemoryRegistry
 from server.web.server import WebOptions, WebServer
 
 log = logging.getLogger("ferry")
@@ -84,7 +85,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
     refused = CONTROL_REFUSED if config.model_control_mode in ("none", "poll") else ""
-    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health, config.server_name, refused)),
+    regions = SharedMemoryRegistry()  # system shared memory regions clients register; released at shutdown
+    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health, config.server_name, refused, regions)),
                                  generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
@@ -134,6 +136,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     log.info("draining: admitted work answered, %d calls refused, callers gone after %.2fs; stopping gRPC",
              gate.refused, loop.time() - began)
     await rpc.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
+    regions.close()  # no gRPC call is left to use them
     if web is not None:
         await web.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
     if config.metrics_port is not None:

@@ -43,3 +43,11 @@ class UnsupportedError(FerryError):
 
 class ConfigError(FerryError):
     """A model configuration is invalid; the message names the file and the field."""
+
+
+class RegionNotFoundError(FerryError):
+    """No shared memory region (or shared memory object) by that name."""
+
+
+class AlreadyExistsError(FerryError):
+    """The name is taken (a shared memory region registered twice)."""

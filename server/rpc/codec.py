@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from protos import grpc_service_pb2 as pb
-from server import datatypes, tensors
+from server import datatypes, shared_memory, tensors
 from server.errors import InvalidInputError
 from server.names import shown
 from server.tensors import to_raw
@@ -32,7 +32,9 @@ _NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
 
 
 
-def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
+def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, np.ndarray]:
+    """`read_shared(tensor, dtype, shape)`: the array of an input that names a shared memory region, or
+    None when it names none. As Triton, raw_input_contents carry only the inputs not in shared memory, in order."""
     raw = request.raw_input_contents
     typed = next((t.name for t in request.inputs if t.HasField("contents")), None) if raw else None
     if typed is not None:  # Triton's words first: its example clients match on them
@@ -40,12 +42,14 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
             f"contents field must not be specified when using raw_input_contents for {shown(typed)} for model "
             f"{shown(request.model_name)}: send every input raw or every input typed"
         )
-    if raw and len(raw) != len(request.inputs):
+    inline = [t for t in request.inputs if shared_memory.REGION not in t.parameters]
+    if raw and len(raw) != len(inline):
         raise InvalidInputError(
-            f"request has {len(request.inputs)} inputs but {len(raw)} raw_input_contents entries; send one per input, in order"
+            f"request has {len(inline)} inputs sent in the request but {len(raw)} raw_input_contents entries; send one "
+            "per input not in shared memory, in order"
         )
-    inputs = {}
-    for i, tensor in enumerate(request.inputs):
+    inputs, index = {}, 0
+    for tensor in request.inputs:
         if tensor.name in inputs:
             raise InvalidInputError(f"input {shown(tensor.name)} appears twice in the request")
         dtype = datatypes.BY_API.get(tensor.datatype)
@@ -54,8 +58,12 @@ def decode_inputs(request: pb.ModelInferRequest) -> dict[str, np.ndarray]:
                 f"input {shown(tensor.name)} has unknown datatype {shown(tensor.datatype)}; use one of {sorted(datatypes.BY_API)}"
             )
         shape = tensors.checked_shape(tensor.name, tuple(tensor.shape))
-        if raw:
-            inputs[tensor.name] = tensors.from_raw(tensor.name, dtype, shape, raw[i])
+        from_region = read_shared(tensor, dtype, shape) if read_shared is not None else None
+        if from_region is not None:
+            inputs[tensor.name] = from_region
+        elif raw:
+            inputs[tensor.name] = tensors.from_raw(tensor.name, dtype, shape, raw[index])
+            index += 1
         else:
             inputs[tensor.name] = _from_typed(tensor, dtype, shape)
     return inputs
@@ -96,12 +104,25 @@ def decode_parameters(params) -> dict[str, Any]:
 
 
 def encode_response(
-    request: pb.ModelInferRequest, version: int, outputs: dict[str, np.ndarray], order: tuple[str, ...]
+    request: pb.ModelInferRequest, version: int, outputs: dict[str, np.ndarray], order: tuple[str, ...],
+    shared: dict | None = None,
 ) -> pb.ModelInferResponse:
-    """Build the reply with raw contents only (tritonclient never reads typed numeric outputs)."""
+    """Build the reply with raw contents only (tritonclient never reads typed numeric outputs).
+
+    `shared`: output name -> (Region, Placement) for outputs asked into shared memory. Those are written
+    there and answered, as Triton does, with their metadata and the region's parameters; their
+    raw_output_contents entry stays empty so the others keep their positions (tritonclient reads by index)."""
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
     for name in order:
         array = outputs[name]
-        response.outputs.add(name=name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)
-        response.raw_output_contents.append(to_raw(array))
+        tensor = response.outputs.add(name=name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)
+        if shared and name in shared:
+            region, where = shared[name]
+            tensor.parameters[shared_memory.REGION].string_param = where.region
+            tensor.parameters[shared_memory.BYTE_SIZE].int64_param = region.write(where, array)
+            if where.offset:
+                tensor.parameters[shared_memory.OFFSET].int64_param = where.offset
+            response.raw_output_contents.append(b"")
+        else:
+            response.raw_output_contents.append(to_raw(array))
     return response

@@ -24,6 +24,8 @@ STATUS = {
     errors.BackendError: grpc.StatusCode.INTERNAL,
     errors.ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     errors.UnsupportedError: grpc.StatusCode.UNIMPLEMENTED,
+    errors.RegionNotFoundError: grpc.StatusCode.NOT_FOUND,
+    errors.AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,  # as Triton answers a region registered twice
 }
 
 

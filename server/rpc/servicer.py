@@ -8,23 +8,27 @@ import time
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__, classification
-from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
+from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.frontdoor import infer_request, serving
 from server.names import parse_version
 from server.repository import inline_load
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
 from server.rpc import codec
+from server.rpc import shared_memory as shm_rpc
 from server.rpc.errors import translate_errors
 from server.rpc.stream_infer import stream_infer
 from server.runners.base import DECOUPLED, INFER
+from server.shared_memory import SharedMemoryRegistry
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy"]
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory"]
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: Registry, health, server_name: str = "ferry", control_refused: str = ""):
+class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, registry: Registry, health, server_name: str = "ferry", control_refused: str = "",
+                 shared_memory: SharedMemoryRegistry | None = None):
+        self.shared_memory = shared_memory if shared_memory is not None else SharedMemoryRegistry()  # the app releases it
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
         self.server_name = server_name  # some Triton clients check for "triton" (--server-name)
@@ -124,27 +128,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
         mv = serving(self.registry, request.model_name, request.model_version, INFER)
-        infer = _decode(request, mv, arrival, remaining_s)
+        infer = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
+        targets = shm_rpc.output_targets(self.shared_memory, request)  # regions checked before any work
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
-        return codec.encode_response(request, mv.version, _classified(request, outputs, mv.signature), names)
+        return codec.encode_response(request, mv.version, _classified(request, outputs, mv.signature), names, targets)
 
     async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
         """A decoupled model's responses to one request, each encoded as it comes."""
         mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
-        infer = _decode(request, mv, arrival, remaining_s)
+        infer = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
         wanted = infer.requested_outputs or tuple(mv.signature.outputs)
         async with contextlib.aclosing(mv.runner.stream(infer)) as responses:
             async for outputs in responses:
                 yield codec.encode_response(request, mv.version, outputs, tuple(n for n in wanted if n in outputs))
 
 
-def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None) -> InferRequest:
-    for tensor in (*request.inputs, *request.outputs):
-        if "shared_memory_region" in tensor.parameters:
-            raise UnsupportedError(f"tensor '{tensor.name}' names a shared memory region; Ferry does not implement "
-                                   "shared memory yet: send the tensor's data in the request and read outputs from the response")
-    inputs = codec.decode_inputs(request)
+def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None,
+            read_shared=None) -> InferRequest:
+    inputs = codec.decode_inputs(request, read_shared)
     requested = tuple(o.name for o in request.outputs)
     params = codec.decode_parameters(request.parameters)
     infer = infer_request(mv, inputs, requested, params, request.id, arrival_ns, remaining_s, _nbytes(request, inputs))
@@ -153,9 +155,11 @@ def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, re
 
 
 def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
-    """The input data a queued request holds: raw contents are viewed in place, typed ones were decoded."""
+    """The input data a queued request holds: raw contents are viewed in place; typed ones and those copied
+    out of shared memory were decoded into arrays."""
     if request.raw_input_contents:
-        return sum(map(len, request.raw_input_contents))
+        copied = sum(inputs[t.name].nbytes for t in request.inputs if shm_rpc.REGION in t.parameters)
+        return sum(map(len, request.raw_input_contents)) + copied
     return sum(array.nbytes for array in inputs.values())
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from server import datatypes, tensors
-from server.errors import InvalidInputError
+from server.errors import InvalidInputError, UnsupportedError
 from server.names import capped, shown
 
 # Which numpy kinds a JSON list may parse into, per target kind: ints never from floats, bools only from bools.
@@ -68,6 +68,7 @@ def decode_infer(header: dict, binary: memoryview) -> DecodedInfer:
         name, dtype, shape, params = _tensor_fields(tensor)
         if name in inputs:
             raise InvalidInputError(f"input {shown(name)} appears twice in the request")
+        _no_shared_memory("input", name, params)
         size = params.get("binary_data_size")
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
@@ -164,6 +165,7 @@ def _outputs(given) -> tuple[tuple[str, ...], dict[str, bool]]:
             raise InvalidInputError(f"output {shown(out['name'])}: 'parameters' must be a JSON object")
         if params.get("classification"):
             raise InvalidInputError(f"output {shown(out['name'])}: the classification extension is not supported")
+        _no_shared_memory("output", out["name"], params)
         names.append(out["name"])
         if "binary_data" in params:
             binary[out["name"]] = bool(params["binary_data"])
@@ -202,3 +204,11 @@ def _json_data(name: str, array: np.ndarray) -> list:
     except UnicodeDecodeError:
         raise InvalidInputError(f"output {shown(name)} holds bytes that are not UTF-8 text; ask for it with "
                                 "parameters.binary_data=true") from None
+
+
+def _no_shared_memory(kind: str, name: str, params: dict) -> None:
+    """Shared memory regions are registered and used over gRPC only; here a tensor naming one is refused (501)."""
+    if "shared_memory_region" in params:
+        raise UnsupportedError(f"{kind} {shown(name)} names a shared memory region; the HTTP front door does not serve "
+                               "shared memory: use the gRPC endpoint (SystemSharedMemoryRegister) or send the data "
+                               "in the request")

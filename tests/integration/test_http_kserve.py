@@ -127,7 +127,13 @@ def test_mixed_binary_and_json_inputs_and_the_binary_header(server):
     (b"x" * (1 << 20 | 1), {}, 413, "at most"),
     (gzip.compress(b" " * (2 << 20)), {"Content-Encoding": "gzip"}, 413, "decompresses"),
     (b"{}", {"Content-Encoding": "br"}, 400, "Content-Encoding"),
-], ids=["bad-json", "wrong-count", "strings-for-fp32", "missing-binary", "header-length", "too-large", "gzip-bomb", "unknown-encoding"])
+    (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "parameters": {
+        "shared_memory_region": "r", "shared_memory_byte_size": 64}}]}).encode(), {}, 501, "use the gRPC endpoint"),
+    (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1] * 16}],
+                 "outputs": [{"name": "OUTPUT0", "parameters": {"shared_memory_region": "r"}}]}).encode(), {}, 501,
+     "output 'OUTPUT0' names a shared memory region"),
+], ids=["bad-json", "wrong-count", "strings-for-fp32", "missing-binary", "header-length", "too-large", "gzip-bomb",
+        "unknown-encoding", "shm-input", "shm-output"])
 def test_bad_requests_get_a_clear_4xx(server, body, headers, status, words):
     got, _, answer = call(server, "/v2/models/simple/infer", body, headers)
     assert got == status and words in json.loads(answer)["error"], answer

@@ -38,7 +38,7 @@ def triton_named(tmp_path_factory) -> dict:
     builders.add_sub(repo / "simple" / "1" / "model.onnx")
     server = RunningServer(repo, "--server-name", "triton")
     try:
-        return run_calls(server, "classification", "shared_memory_refused")
+        return run_calls(server, "classification")
     finally:
         server.stop()
 
@@ -116,11 +116,52 @@ def test_model_control_refused_outside_explicit_mode(tmp_path, mode):
         assert "--model-control-mode explicit" in found[call]["message"]
 
 
-def test_shared_memory_answers_that_it_is_not_implemented(triton_named):
-    found = triton_named["shared_memory_refused"]
-    for call, rpc in (("register", "SystemSharedMemoryRegister"), ("status", "SystemSharedMemoryStatus"),
-                      ("cuda", "CudaSharedMemoryStatus")):
-        assert found[call]["status"] == "StatusCode.UNIMPLEMENTED"
-        assert found[call]["message"] == f"{rpc} is not implemented by Ferry"
-    assert found["infer"]["status"] == "StatusCode.UNIMPLEMENTED"
-    assert "'INPUT0' names a shared memory region" in found["infer"]["message"]
+def mapped(pid: int, tag: str) -> set[str]:
+    """The shared memory objects of this test that the server process has mapped now."""
+    text = Path(f"/proc/{pid}/maps").read_text()
+    return {line.split(f"/dev/shm/{tag}_")[1].split()[0] for line in text.splitlines() if f"/dev/shm/{tag}_" in line}
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="system shared memory needs /dev/shm")
+def test_system_shared_memory_register_infer_status_unregister(tmp_path):
+    builders.add_sub(tmp_path / "simple" / "1" / "model.onnx")
+    skip = tuple(t for t in builders.ONNX_TYPES if t != "BYTES")
+    builders.identity_all_types(tmp_path / "strings" / "1" / "model.onnx", skip=skip)
+    tag = f"ferry_shm_{os.getpid()}"
+    server = RunningServer(tmp_path)
+    try:
+        found = run_calls(server, "shared_memory", env={"SHM_TAG": tag})["shared_memory"]
+        held = mapped(server.proc.pid, tag)
+        cleared = run_calls(server, "shared_memory_clear")["shared_memory_clear"]
+        after_clear = mapped(server.proc.pid, tag)
+    finally:
+        server.stop()
+    a, b = np.arange(16, dtype=np.float32).reshape(4, 4), np.full((4, 4), 0.5, np.float32)
+    assert found["OUTPUT0"] == {"values": (a + b).tolist(), "region": "output_data", "byte_size": 64, "raw": 0}
+    assert found["OUTPUT1"] == {"values": (a - b).tolist(), "region": "output_data", "byte_size": 64, "raw": 0}
+    assert found["mixed_output0"] == (a + 4 * b).tolist() and found["mixed_output1"] == (a - 4 * b).tolist()
+    assert found["strings"] == ["shared", "", "memory"] and found["strings_byte_size"] == 4 * 3 + 12
+    assert [(r["name"], r["key"], r["byte_size"]) for r in found["status"]] == [
+        (n, f"/{tag}_{n}", str(size)) for n, size in
+        (("input_data", 128), ("kept", 128), ("output_data", 128), ("str_in", 64), ("str_out", 64))]
+    assert list(found["one_status"]["regions"]) == ["kept"]
+    errors = found["errors"]
+    expected = {
+        "twice": ("ALREADY_EXISTS", "shared memory region 'kept' already in manager"),
+        "no_key": ("NOT_FOUND", f"Unable to open shared memory region: '/{tag}_never_created'"),
+        "past_object": ("INVALID_ARGUMENT", "failed to register shared memory region 'past': invalid args"),
+        "too_small": ("INVALID_ARGUMENT", "output 'OUTPUT0' (16 bytes) should be at least 64 bytes"),
+        "offset": ("INVALID_ARGUMENT", "Invalid offset for shared memory region: 'input_data'"),
+        "offset_size": ("INVALID_ARGUMENT", "Invalid offset + byte size for shared memory region: 'input_data'"),
+        "unknown_status": ("NOT_FOUND", "Unable to find system shared memory region: 'nope'"),
+        "unregistered": ("NOT_FOUND", "Unable to find shared memory region: 'input_data'"),
+        "cuda": ("UNIMPLEMENTED", "CudaSharedMemoryStatus: CUDA shared memory is not implemented by Ferry"),
+        "cuda_register": ("UNIMPLEMENTED", "CudaSharedMemoryRegister: CUDA shared memory is not implemented by Ferry"),
+    }
+    for key, (status, words) in expected.items():
+        assert errors[key]["status"] == f"StatusCode.{status}", (key, errors[key])
+        assert words in errors[key]["message"], (key, errors[key])
+    assert "SystemSharedMemoryRegister" in errors["unregistered"]["message"]  # says what to do
+    assert "system_shared_memory" in found["extensions"]
+    assert found["status_left"] == ["kept"] and held == {"kept"}  # unregistered regions are unmapped
+    assert cleared["status_left"] == [] and after_clear == set()  # unregister-all
