@@ -60,8 +60,11 @@ def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int) -> li
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+        # An explicit mask: without one, generate() infers it from pad_token_id and would mask every
+        # prompt token equal to it (id 0 is also the bos token here), computing a different sequence.
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              min_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

@@ -44,15 +44,14 @@ def env(tmp_path_factory):
     server.stop()
 
 
-def greedy_text(server, folder, prompt_ids: list[int], n: int, reference: bool = True) -> str:
+def greedy_text(server, folder, prompt_ids: list[int], n: int) -> str:
     """The text of transformers' greedy tokens as Ferry streams it: the gRPC Generate call's tokens are
     checked equal to the reference, and its text (detokenized incrementally, so a character split across
     tokens reads the same as over HTTP) is what the HTTP answers must equal."""
     request = gen.GenerateRequest(model_name=folder.parent.name, token_ids=gen.TokenIds(ids=prompt_ids),
                                   sampling=gen.SamplingParams(max_tokens=n, ignore_eos=True))
     responses = list(gen_grpc.GenerationStub(server.channel).Generate(request, timeout=120))
-    if reference:
-        assert [t for r in responses for t in r.token_ids] == llm_builders.reference_greedy(folder, prompt_ids, n)
+    assert [t for r in responses for t in r.token_ids] == llm_builders.reference_greedy(folder, prompt_ids, n)
     return "".join(r.text for r in responses)
 
 
@@ -82,10 +81,7 @@ def test_chat_renders_the_template_and_matches_greedy(env):
     rendered = "<s><|system|>go\n<|user|>ferry\n<|assistant|>"
     prompt_ids = Tokenizer.from_file(str(llama / "tokenizer.json")).encode(rendered).ids
     assert prompt_ids[0] == 0  # the template's bos_token became the special token, as Hugging Face renders it
-    # Not checked against transformers here: with the bos token (id 0) leading the prompt, Ferry's engine
-    # and transformers part ways after a few tokens over gRPC too (an engine matter, noted for its owners);
-    # what this test holds is that chat over HTTP generates exactly what gRPC does for the rendered prompt.
-    expected = greedy_text(server, llama, prompt_ids, 10, reference=False)
+    expected = greedy_text(server, llama, prompt_ids, 10)  # gRPC's tokens equal transformers' greedy ones
     whole = client.chat.completions.create(model="llama", messages=messages, max_completion_tokens=10, temperature=0,
                                            extra_body={"ignore_eos": True})
     assert whole.choices[0].message.role == "assistant" and whole.choices[0].message.content == expected
