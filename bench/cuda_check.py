@@ -1,26 +1,73 @@
 """One prepared check for a session lent a GPU: the CUDA paths work and what they deliver.
 
-    python -m bench.cuda_check            # on the GPU machine; on a CPU-only machine it says so and exits 0
+    python -m bench.cuda_check [--record]   # first thing on a GPU machine; on a CPU-only one it skips the CUDA parts
 
-1. runs tests/gpu (ORT really gets the CUDA provider; generation on CUDA equals the CPU's tokens);
-2. raw ONNX Runtime throughput of the heavy benchmark model, CUDA provider vs CPU, at batch 1..128;
-3. generation on CUDA in bf16 with a 6-layer random Llama: output tokens/s for 1, 16 and 64 sequences
-   decoding together (the continuous-batching engine in process, no gRPC).
-Prints a table; with --record appends it to bench/RESULTS.md.
+Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script exits 1 if any failed:
+1. device counts: each backend with a CUDA branch (onnx, pytorch, llm) reports as many CUDA devices
+   as torch sees (0 here without CUDA, which the loader relies on to refuse KIND_GPU);
+2. tests/gpu (ORT really gets the CUDA provider; generation on CUDA equals the CPU's tokens);
+3. raw ONNX Runtime throughput of the heavy benchmark model, CUDA provider vs CPU, at batch 1..128;
+4. generation in bf16 with a 6-layer random Llama: output tokens/s for 1, 16 and 64 sequences
+   decoding together (the continuous-batching engine in process, no gRPC);
+5. prefix caching (generation.enable_prefix_caching, shared KV blocks): 16 sequences sharing a
+   256-token prefix decode the same greedy tokens (float32) with the cache as without, hit the
+   cache, and the time of both runs;
+6. step isolation (runners/step_isolation.py): a step that raises on one sequence among 8 fails it
+   alone in at most 2*ceil(log2 8) re-runs, the other 7 decode what they decode without it.
+Checks 5 and 6 run on the CPU with a tiny model where there is no CUDA, labelled "cpu dry run", so this
+machine exercises their code; 2-4 need CUDA and say SKIP. With --record the lines go to bench/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bench import common, models
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str  # PASS, FAIL or SKIP
+    figures: str
+
+    def line(self) -> str:
+        return f"{self.status} {self.name}: {self.figures}"
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+# ---------------------------------------------------------------- 1-3: devices, tests, ONNX Runtime
+def check_device_counts(cuda: bool) -> Outcome:
+    import torch
+
+    from server.backends.llm.engine import LLMBackend
+    from server.backends.onnx_runtime import OnnxRuntimeBackend
+    from server.backends.pytorch import TorchBackend
+
+    expected = torch.cuda.device_count() if cuda else 0
+    counts = {cls.name: cls.cuda_devices() for cls in (OnnxRuntimeBackend, TorchBackend, LLMBackend)}
+    return Outcome("device counts", verdict(all(n == expected for n in counts.values())),
+                   f"torch sees {expected}; " + ", ".join(f"{k}: {v}" for k, v in counts.items()))
+
+
+def check_gpu_tests(cuda: bool) -> Outcome:
+    if not cuda:
+        return Outcome("tests/gpu", "SKIP", "no CUDA device")
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], cwd=common.ROOT, capture_output=True,
+                           text=True, timeout=900)
+    return Outcome("tests/gpu", verdict(tests.returncode == 0), tests.stdout.strip().splitlines()[-1])
 
 
 def ort_rates(path: Path, providers: list[str]) -> dict[int, float]:
@@ -39,35 +86,143 @@ def ort_rates(path: Path, providers: list[str]) -> dict[int, float]:
     return rates
 
 
-def generation_rates(folder: Path) -> dict[int, float]:
+def check_ort(cuda: bool, tmp: Path) -> Outcome:
+    if not cuda:
+        return Outcome("ONNX Runtime CUDA provider", "SKIP", "no CUDA device")
+    from server.backends.onnx_runtime import _cuda_works
+
+    heavy = models.heavy_encoder(tmp / "heavy.onnx")
+    cpu, gpu = ort_rates(heavy, ["CPUExecutionProvider"]), ort_rates(heavy, ["CUDAExecutionProvider"])
+    return Outcome("ONNX Runtime CUDA provider", verdict(_cuda_works()),
+                   "heavy model rows/s, batch: CPU / CUDA = " + ", ".join(f"{b}: {cpu[b]:.0f} / {gpu[b]:.0f}" for b in cpu))
+
+
+# ---------------------------------------------------------------- the generation engine, driven in process
+def llm(folder: Path, device, dtype: str, blocks: int = 4096):
     from protos import model_config_pb2 as mc
-    from server.backends.base import Device
     from server.backends.llm.engine import LLMBackend
-    from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
-    from server.scheduling.kv_blocks import KVBlockPool
-    from server.scheduling.sequence import SamplingParams, Sequence
 
     config = mc.ModelConfig(name="bench", backend="llm")
-    config.generation.block_size, config.generation.num_kv_blocks, config.generation.dtype = 16, 4096, "bfloat16"
-    backend = LLMBackend(config, folder / "config.json", Device("cuda", 0))
+    config.generation.block_size, config.generation.num_kv_blocks, config.generation.dtype = 16, blocks, dtype
+    backend = LLMBackend(config, folder / "config.json", device)
     backend.load()
+    return backend
+
+
+@dataclass
+class Decoded:
+    tokens: dict[int, list[int]]
+    seconds: float
+    steps: int
+    failed: list[int]
+    reruns: int
+
+
+def decode(backend, pool, prompts: list[list[int]], max_tokens: int, step=None) -> Decoded:
+    """Greedy decode of every prompt to exactly `max_tokens`, each step through run_step_isolated as
+    the generation runner does, so a step that raises fails only the sequences that make it raise."""
+    from server.runners.step_isolation import run_step_isolated
+    from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
+    from server.scheduling.sequence import SamplingParams, Sequence
+
+    scheduler = ContinuousScheduler(ContinuousSettings(max_num_seqs=64, max_num_batched_tokens=8192, max_model_len=1024), pool)
+    seqs = [Sequence(i, list(p), len(p), SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for i, p in enumerate(prompts)]
+    for seq in seqs:
+        scheduler.submit(seq)
+    failed, reruns, steps, start = [], 0, 0, time.perf_counter()
+    while scheduler.running or scheduler.num_waiting:
+        plan = scheduler.schedule()
+        outcome = run_step_isolated(step or backend.step, plan)
+        steps, reruns = steps + 1, reruns + outcome.reruns
+        for seq, _ in outcome.failed:
+            scheduler.finish(seq, "error")
+            failed.append(seq.seq_id)
+        scheduler.postprocess(outcome.ran, outcome.sampled)
+        for seq in list(scheduler.running):
+            if seq.num_output >= max_tokens:
+                scheduler.finish(seq, "length")
+    return Decoded({s.seq_id: s.token_ids[s.prompt_len:] for s in seqs}, time.perf_counter() - start, steps, failed, reruns)
+
+
+def check_generation_rates(cuda: bool, folder: Path | None) -> Outcome:
+    if not cuda:
+        return Outcome("generation tokens/s (bf16)", "SKIP", "no CUDA device")
+    from server.backends.base import Device
+    from server.scheduling.kv_blocks import KVBlockPool
+
+    backend = llm(folder, Device("cuda", 0), "bfloat16")
     rates = {}
     for count in (1, 16, 64):
-        scheduler = ContinuousScheduler(ContinuousSettings(max_num_seqs=64, max_num_batched_tokens=8192,
-                                                           max_model_len=1024), KVBlockPool(4096, 16))
-        for i in range(count):
-            scheduler.submit(Sequence(i, list(range(2, 66)), 64, SamplingParams(max_tokens=128, ignore_eos=True)))
-        start, tokens = time.perf_counter(), 0
-        while scheduler.running or scheduler.num_waiting:
-            plan = scheduler.schedule()
-            sampled = backend.step(plan)
-            scheduler.postprocess(plan, sampled)
-            tokens += len(sampled)
-            for seq in list(scheduler.running):
-                if seq.num_output >= 128:
-                    scheduler.finish(seq, "length")
-        rates[count] = tokens / (time.perf_counter() - start)
-    return rates
+        run = decode(backend, KVBlockPool(4096, 16), [list(range(2, 66))] * count, 128)
+        rates[count] = sum(len(t) for t in run.tokens.values()) / run.seconds
+    backend.unload()
+    return Outcome("generation tokens/s (bf16)", verdict(all(r > 0 for r in rates.values())),
+                   "output tokens/s by sequences decoding together: " + ", ".join(f"{n}: {r:.0f}" for n, r in rates.items()))
+
+
+def check_prefix_caching(backend, label: str, max_tokens: int) -> Outcome:
+    """With the cache, a warm-up sequence names the shared prefix's blocks; the 16 that follow take them."""
+    from server.scheduling.kv_blocks import KVBlockPool
+
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(2, 500, 256).tolist()
+    prompts = [prefix + rng.integers(2, 500, 16).tolist() for _ in range(16)]
+    plain = decode(backend, KVBlockPool(backend.num_kv_blocks, 16, prefix_caching=False), prompts, max_tokens)
+    pool = KVBlockPool(backend.num_kv_blocks, 16, prefix_caching=True)
+    decode(backend, pool, [prefix + [3]], 1)
+    hits_before = pool.cache.stats.hit_tokens
+    cached = decode(backend, pool, prompts, max_tokens)
+    hit = pool.cache.stats.hit_tokens - hits_before
+    same = sum(cached.tokens[i] == plain.tokens[i] for i in range(len(prompts)))
+    ok = same == len(prompts) and hit >= 16 * 256
+    return Outcome(f"prefix caching ({label})", verdict(ok),
+                   f"{same}/16 sequences decode the same tokens with the cache; {hit} prompt tokens from shared blocks "
+                   f"(of {16 * 272}); {max_tokens} tokens each in {cached.seconds * 1000:.0f} ms with the cache, "
+                   f"{plain.seconds * 1000:.0f} ms without")
+
+
+def check_step_isolation(backend, label: str, max_tokens: int) -> Outcome:
+    """Sequence 3 makes every step it is in raise; the step is split until it is alone."""
+    from server.scheduling.kv_blocks import KVBlockPool
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 500, int(rng.integers(8, 40))).tolist() for _ in range(8)]
+
+    def poisoned(plan):
+        if any(seq.seq_id == 3 for seq, _ in plan.entries):
+            raise RuntimeError("poisoned sequence")
+        return backend.step(plan)
+
+    clean = decode(backend, KVBlockPool(backend.num_kv_blocks, 16), prompts, max_tokens)
+    broken = decode(backend, KVBlockPool(backend.num_kv_blocks, 16), prompts, max_tokens, step=poisoned)
+    others = [i for i in range(8) if i != 3]
+    same = sum(broken.tokens[i] == clean.tokens[i] for i in others)
+    bound = 2 * math.ceil(math.log2(8))
+    ok = broken.failed == [3] and same == 7 and broken.reruns <= bound
+    return Outcome(f"step isolation ({label})", verdict(ok),
+                   f"failed {broken.failed} in {broken.reruns} re-runs (bound {bound}); {same}/7 others decode as without it; "
+                   f"{broken.steps} steps in {broken.seconds * 1000:.0f} ms vs {clean.steps} in {clean.seconds * 1000:.0f} ms clean")
+
+
+def engine_checks(cuda: bool, tmp: Path) -> list[Outcome]:
+    """Checks 4-6. Without CUDA, 5 and 6 run on the CPU with a tiny Llama so their code is exercised."""
+    from server.backends.base import Device
+
+    if cuda:
+        from bench.generation import build_model
+
+        folder = tmp / "llm" / "1"
+        build_model(folder)
+        results = [check_generation_rates(cuda, folder)]
+        device, label, max_tokens = Device("cuda", 0), "cuda, float32", 64
+    else:
+        folder = models.random_llama(tmp / "tiny" / "1", vocab=512, hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1)
+        results = [check_generation_rates(cuda, None)]
+        device, label, max_tokens = Device("cpu"), "cpu dry run, no CUDA device", 8
+    backend = llm(folder, device, "float32", blocks=1024)
+    results += [check_prefix_caching(backend, label, max_tokens), check_step_isolation(backend, label, max_tokens)]
+    backend.unload()
+    return results
 
 
 def main() -> None:
@@ -76,27 +231,19 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
-        print("no CUDA device here: nothing to check")
-        return
-    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/gpu"], cwd=common.ROOT, capture_output=True, text=True)
-    lines = [f"GPU: {torch.cuda.get_device_name(0)}", f"tests/gpu: {tests.stdout.strip().splitlines()[-1]}"]
+    cuda = torch.cuda.is_available()
+    print(f"GPU: {torch.cuda.get_device_name(0)}" if cuda else "no CUDA device here: CUDA checks SKIP, engine checks run on the CPU")
+    outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
-        heavy = models.heavy_encoder(Path(tmp) / "heavy.onnx")
-        cpu, cuda = ort_rates(heavy, ["CPUExecutionProvider"]), ort_rates(heavy, ["CUDAExecutionProvider"])
-        lines.append("ONNX Runtime heavy model rows/s, batch: CPU / CUDA = " + ", ".join(
-            f"{b}: {cpu[b]:.0f} / {cuda[b]:.0f}" for b in cpu))
-        from bench.generation import build_model
-
-        folder = Path(tmp) / "llm" / "1"
-        build_model(folder)
-        gen = generation_rates(folder)
-        lines.append("generation on CUDA (bf16), output tokens/s by sequences decoding together: " + ", ".join(
-            f"{n}: {r:.0f}" for n, r in gen.items()))
-    report = "\n".join(f"- {line}" for line in lines)
-    print(report)
+        for check in (lambda: check_device_counts(cuda), lambda: check_gpu_tests(cuda), lambda: check_ort(cuda, Path(tmp))):
+            outcomes.append(check())
+            print(outcomes[-1].line(), flush=True)
+        for outcome in engine_checks(cuda, Path(tmp)):
+            outcomes.append(outcome)
+            print(outcome.line(), flush=True)
     if args.record:
-        common.append_results("CUDA check (bench/cuda_check.py)", report)
+        common.append_results("CUDA check (bench/cuda_check.py)", "\n".join(f"- {o.line()}" for o in outcomes))
+    sys.exit(1 if any(o.status == "FAIL" for o in outcomes) else 0)
 
 
 if __name__ == "__main__":
