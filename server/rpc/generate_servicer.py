@@ -39,6 +39,8 @@ class GenerationServicer(gen_grpc.GenerationServicer):
 
 def _response(request_id: str, event) -> gen.GenerateResponse:
     response = gen.GenerateResponse(id=request_id, token_ids=event.token_ids, text=event.text)
+    for entry in event.logprobs or ():
+        response.logprobs.append(gen.TokenLogprobs(sampled=_logprob(entry.sampled), top=map(_logprob, entry.top)))
     if event.finish_reason is not None:
         response.finish_reason = event.finish_reason
         response.usage.prompt_tokens = event.prompt_tokens
@@ -49,12 +51,18 @@ def _response(request_id: str, event) -> gen.GenerateResponse:
     return response
 
 
+def _logprob(value) -> gen.Logprob:
+    return gen.Logprob(token_id=value.token_id, token=value.token, logprob=value.logprob)
+
+
 def _sampling(p: gen.SamplingParams) -> dict:
     """The message's fields as the decoder's raw values (unset numbers are 0: the defaults)."""
     given = {"max_tokens": p.max_tokens, "temperature": p.temperature, "top_k": p.top_k, "top_p": p.top_p,
-             "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos}
-    if p.HasField("seed"):
-        given["seed"] = p.seed
+             "stop": list(p.stop), "stop_token_ids": list(p.stop_token_ids), "ignore_eos": p.ignore_eos,
+             "min_tokens": p.min_tokens, "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty}
+    for optional in ("seed", "repetition_penalty", "logprobs"):  # unset means the default, not 0
+        if p.HasField(optional):
+            given[optional] = getattr(p, optional)
     return given
 
 

@@ -112,12 +112,17 @@ async def _generate(registry: Registry, request: pb.ModelInferRequest, arrival: 
     read = vllm_tensors.read_request(request, arrival, deadline_ns)
     decoded = mv.runner.decode(read.given)
     pieces = [] if read.exclude_input else [decoded.prompt_text]
+    logprobs = [] if decoded.sampling.logprobs is not None else None
     async with contextlib.aclosing(mv.runner.generate(decoded)) as events:
         async for event in events:
             final = event.finish_reason is not None
             if read.streaming:
-                yield vllm_tensors.text_response(request, mv.version, event.text, event.finish_reason), final
+                yield vllm_tensors.text_response(request, mv.version, event.text, event.finish_reason,
+                                                 None if logprobs is None else event.logprobs or []), final
             else:
                 pieces.append(event.text)
+                if logprobs is not None:
+                    logprobs.extend(event.logprobs or [])
                 if final:
-                    yield vllm_tensors.text_response(request, mv.version, "".join(pieces), event.finish_reason), True
+                    yield vllm_tensors.text_response(request, mv.version, "".join(pieces), event.finish_reason,
+                                                     logprobs), True

@@ -3,7 +3,10 @@
 In: `text_input` (BYTES prompt), optional `stream` (BOOL), `sampling_parameters` (JSON string),
 `exclude_input_in_output` (BOOL), `max_tokens` (INT32, wins over the JSON); without the JSON, the
 request's own parameters named like sampling parameters are used. Out: `text_output` per response,
-with `finish_reason` on the last. Checking what they mean is the runner's decoder's job; this module
+with `finish_reason` on the last. A request whose sampling parameters ask for `logprobs` also gets a
+BYTES output `logprobs`: a JSON list with one object per token of that response, {token id: {"logprob",
+"rank", "decoded_token"}} for the sampled token and the top alternatives, the shape Triton's vLLM
+backend sends for `return_logprobs` (vLLM's own Logprob objects). Checking what they mean is the runner's decoder's job; this module
 only reads tensors.
 """
 
@@ -46,12 +49,25 @@ def read_request(request: pb.ModelInferRequest, arrival_ns: int, rpc_deadline_ns
     return VllmRequest(given, streaming, exclude)
 
 
-def text_response(request: pb.ModelInferRequest, version: int, text: str, reason: str | None) -> pb.ModelInferResponse:
-    response = codec.encode_response(request, version, {"text_output": np.array([text.encode()], dtype=object)},
-                                     ("text_output",))
+def text_response(request: pb.ModelInferRequest, version: int, text: str, reason: str | None,
+                  logprobs: list | None = None) -> pb.ModelInferResponse:
+    """`logprobs`: the runner's TokenLogprobs of the tokens this response covers; None when not asked for."""
+    outputs = {"text_output": np.array([text.encode()], dtype=object)}
+    if logprobs is not None:
+        outputs["logprobs"] = np.array([json.dumps([_vllm_logprobs(entry) for entry in logprobs]).encode()], dtype=object)
+    response = codec.encode_response(request, version, outputs, tuple(outputs))
     if reason:
         response.parameters["finish_reason"].string_param = reason
     return response
+
+
+def _vllm_logprobs(entry) -> dict[str, dict]:
+    """One token's position as vLLM reports it: the top alternatives by rank, and the sampled token."""
+    ranked = {str(t.token_id): {"logprob": t.logprob, "rank": rank, "decoded_token": t.token}
+              for rank, t in enumerate(entry.top, start=1)}
+    sampled = entry.sampled
+    ranked.setdefault(str(sampled.token_id), {"logprob": sampled.logprob, "rank": entry.rank, "decoded_token": sampled.token})
+    return ranked
 
 
 def _scalar(inputs: dict[str, np.ndarray], name: str, default=None):

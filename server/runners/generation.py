@@ -58,6 +58,22 @@ class GenerationRequest:
     arrival_ns: int
 
 
+@dataclass(frozen=True, slots=True)
+class Logprob:
+    token_id: int
+    token: str  # the token's own text (a piece of a character may read as U+FFFD)
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's logprob and its `logprobs` most likely alternatives (sampler.py says which distribution)."""
+
+    sampled: Logprob
+    rank: int  # the sampled token's: 1 + how many tokens were more likely
+    top: list[Logprob]
+
+
 @dataclass(slots=True)
 class GenerationEvent:
     token_ids: list[int]
@@ -69,6 +85,7 @@ class GenerationEvent:
     ttft_ms: float = 0.0
     total_ms: float = 0.0
     error: FerryError | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token_ids entry, when the request asked
 
 
 @dataclass(slots=True)
@@ -171,14 +188,14 @@ class GenerationRunner(RunnerBase):
             outcome = await loop.run_in_executor(self._thread, run_step_isolated, self.backend.step, plan)
             done = time.monotonic_ns()
             self._fail_alone(outcome)
-            sampled = outcome.sampled
+            sampled, logprobs = outcome.sampled, self.backend.take_logprobs()
             self.scheduler.postprocess(outcome.ran, sampled)
             if outcome.ran:
                 self.stats.record_batch(len(sampled), len(outcome.ran.entries), 0, done - now, 0)
             for seq, _ in outcome.ran.entries:
                 token = sampled.get(seq.seq_id)
                 if token is not None and not seq.cancelled:
-                    self._emit(seq, token, done)
+                    self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id)))
 
     def _fail_alone(self, outcome: StepOutcome) -> None:
         """End the sequences the step raised on by themselves: their blocks go back, their callers get the error."""
@@ -222,7 +239,15 @@ class GenerationRunner(RunnerBase):
         if timer is not None:
             timer.cancel()
 
-    def _emit(self, seq: Sequence, token: int, now: int) -> None:
+    def _logprobs(self, raw) -> list[TokenLogprobs] | None:
+        """The sampler's (id, logprob) pairs with each token's text, or None when not asked for."""
+        if raw is None:
+            return None
+        decode = self.backend.tokenizer.decode
+        return [TokenLogprobs(Logprob(raw.token_id, decode([raw.token_id]), raw.logprob), raw.rank,
+                              [Logprob(t, decode([t]), lp) for t, lp in raw.top])]
+
+    def _emit(self, seq: Sequence, token: int, now: int, logprobs: list[TokenLogprobs] | None = None) -> None:
         """Turn one sampled token into text; the scheduler already finished `seq` if the token ends it."""
         stream = seq.handle
         if stream.first_token_ns is None:
@@ -237,14 +262,15 @@ class GenerationRunner(RunnerBase):
             finish = "stop"
             self.scheduler.finish(seq, finish)
         if finish is None:
-            stream.events.put_nowait(GenerationEvent([token], text))
+            stream.events.put_nowait(GenerationEvent([token], text, logprobs=logprobs))
             return
         if not stopped:  # release held text: an unfinished character, a possible stop-string start
             tail, stopped = stream.stops.feed(stream.detokenizer.flush())
             text += tail + ("" if stopped else stream.stops.flush())
-        self._final(seq, finish, text, [token], now)
+        self._final(seq, finish, text, [token], now, logprobs)
 
-    def _final(self, seq: Sequence, reason: str, text: str, tokens: list[int], now: int) -> None:
+    def _final(self, seq: Sequence, reason: str, text: str, tokens: list[int], now: int,
+               logprobs: list[TokenLogprobs] | None = None) -> None:
         stream = seq.handle
         stream.done = True
         first = stream.first_token_ns or now
@@ -253,7 +279,7 @@ class GenerationRunner(RunnerBase):
         stream.events.put_nowait(GenerationEvent(
             tokens, text, reason, prompt_tokens=seq.prompt_len, completion_tokens=seq.num_output,
             queue_ms=((stream.scheduled_ns or now) - seq.arrival_ns) / 1e6, ttft_ms=(first - seq.arrival_ns) / 1e6,
-            total_ms=(now - seq.arrival_ns) / 1e6))
+            total_ms=(now - seq.arrival_ns) / 1e6, logprobs=logprobs))
 
     def _fail(self, seq: Sequence, error: FerryError) -> None:
         seq.handle.done = True

@@ -14,7 +14,9 @@ from typing import Any, Mapping
 from server.errors import InvalidInputError
 from server.scheduling.sequence import SamplingParams
 
-KEYS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos"})
+KEYS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                  "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"})
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs
 # Below this a temperature is greedy: logits / 1e-40 overflow to inf and softmax gives NaN, while
 # anything this cold picks the top token anyway (a gap of 1e-3 in logits is e^100 apart).
 GREEDY_BELOW = 1e-5
@@ -33,14 +35,36 @@ def sampling_params(given: Mapping[str, Any], default_max_tokens: int) -> Sampli
     if not 0 < top_p <= 1:
         raise InvalidInputError(f"sampling parameter 'top_p' must be within (0, 1], got {top_p!r}")
     seed = given.get("seed")
+    max_tokens = _integer(given, "max_tokens") or default_max_tokens
+    min_tokens = _integer(given, "min_tokens")
+    if min_tokens > max_tokens:
+        raise InvalidInputError(f"sampling parameter 'min_tokens' ({min_tokens}) must be <= max_tokens ({max_tokens})")
     return SamplingParams(
-        max_tokens=_integer(given, "max_tokens") or default_max_tokens,
+        max_tokens=max_tokens,
         temperature=0.0 if temperature < GREEDY_BELOW else temperature,
         top_k=_integer(given, "top_k"), top_p=top_p,
         seed=None if seed is None else _integer(given, "seed", low=-_INT_LIMIT),
         stop=_stop_strings(given.get("stop")), stop_token_ids=_token_ids(given.get("stop_token_ids")),
-        ignore_eos=_flag(given, "ignore_eos"),
+        ignore_eos=_flag(given, "ignore_eos"), min_tokens=min_tokens, **_penalties(given),
     )
+
+
+def _penalties(given: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's ranges: repetition_penalty > 0 (1 is off), presence and frequency within [-2, 2];
+    and logprobs within [0, 20], checked here since it is a plain integer beside them."""
+    repetition = _number(given, "repetition_penalty", 1.0)
+    if repetition <= 0:
+        raise InvalidInputError(f"sampling parameter 'repetition_penalty' must be > 0, got {repetition!r}")
+    values = {"repetition_penalty": repetition}
+    for key in ("presence_penalty", "frequency_penalty"):
+        values[key] = _number(given, key, 0.0)
+        if not -2 <= values[key] <= 2:
+            raise InvalidInputError(f"sampling parameter '{key}' must be within [-2, 2], got {values[key]!r}")
+    logprobs = given.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise InvalidInputError(f"sampling parameter 'logprobs' must be an integer within [0, {MAX_LOGPROBS}], got {logprobs!r}")
+    values["logprobs"] = logprobs
+    return values
 
 
 def _number(given: Mapping[str, Any], key: str, default: float) -> float:

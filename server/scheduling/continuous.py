@@ -13,7 +13,8 @@ so a resumed sequence is not evicted again at once. With prefix caching, a waiti
 admitted with the cached blocks of its longest cached prefix and `num_computed` past them: blocks
 and token budget are counted for the rest only (a resumed sequence often finds its own blocks).
 Every token-level finish (eos, a stop token id, max_tokens, max_model_len) is decided here,
-in `postprocess`; the runner only adds text-level stops.
+in `postprocess`; the runner only adds text-level stops. eos and stop token ids end nothing within
+the first `min_tokens` tokens (the sampler also keeps them from being chosen there).
 """
 
 from __future__ import annotations
@@ -184,10 +185,11 @@ class ContinuousScheduler:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
-        if token in self.settings.eos_token_ids and not params.ignore_eos:
-            return "eos"
-        if token in params.stop_token_ids:
-            return "stop"
+        if seq.num_output > params.min_tokens:  # the sampler masks them before; this holds whatever it chose
+            if token in self.settings.eos_token_ids and not params.ignore_eos:
+                return "eos"
+            if token in params.stop_token_ids:
+                return "stop"
         if seq.num_output >= params.max_tokens or seq.num_tokens >= self.settings.max_model_len:
             return "length"
         return None

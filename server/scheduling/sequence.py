@@ -26,10 +26,19 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # eos and stop token ids cannot end the output before this many tokens
+    repetition_penalty: float = 1.0  # 1: off; prompt and output tokens (as vLLM and transformers)
+    presence_penalty: float = 0.0  # 0: off; output tokens only (as vLLM and OpenAI)
+    frequency_penalty: float = 0.0  # 0: off; output tokens only, per occurrence
+    logprobs: int | None = None  # None: none; n: the sampled token's logprob and the top n
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(slots=True, eq=False)

@@ -3,7 +3,9 @@
 Requests become the same GenerationInput the gRPC Generate call builds (the runner decodes and checks
 it); answers and streamed chunks follow OpenAI's objects, so the `openai` SDK and the tools built on it
 work unchanged. vLLM's extra sampling fields (`top_k`, `ignore_eos`, `stop_token_ids`) are accepted
-too. Chat prompts are rendered with the model's own template (chat.py).
+too, and so are `repetition_penalty` and `min_tokens`. `logprobs` (completions: the number of
+alternatives; chat: `logprobs: true` with `top_logprobs`) come back in OpenAI's shapes for each
+choice and chunk. Chat prompts are rendered with the model's own template (chat.py).
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ from server.web.tensors import parse_json
 # OpenAI field -> the runner's sampling key (max_completion_tokens is the newer name of max_tokens).
 _SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
              "top_p": "top_p", "seed": "seed", "stop": "stop", "top_k": "top_k", "ignore_eos": "ignore_eos",
-             "stop_token_ids": "stop_token_ids"}
-# Accepted and ignored: they do not change what is generated.
+             "stop_token_ids": "stop_token_ids", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+             "min_tokens": "min_tokens"}
+# Accepted and ignored: they do not change what is generated (logprobs and top_logprobs are read apart).
 _IGNORED = {"model", "stream", "stream_options", "user", "n", "messages", "prompt", "echo", "logprobs", "top_logprobs",
-            "presence_penalty", "frequency_penalty", "best_of", "add_generation_prompt", "metadata", "store"}
+            "best_of", "add_generation_prompt", "metadata", "store"}
 _FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
 
 
@@ -70,7 +74,7 @@ class OpenAIRoutes:
         body = await self._body(request)
         mv = serving(self.registry, _model(body), "", GENERATE)
         text, ids = _prompt(body.get("prompt"))
-        given = GenerationInput(arrival, text=text, token_ids=ids, sampling=_sampling(body))
+        given = GenerationInput(arrival, text=text, token_ids=ids, sampling=_sampling(body, _completion_logprobs(body)))
         decoded = mv.runner.decode(given)
         reply = _Reply("cmpl", "text_completion", mv.name, chat=False)
         echo = decoded.prompt_text if body.get("echo") else ""
@@ -86,14 +90,19 @@ class OpenAIRoutes:
             raise InvalidInputError(f"model '{mv.name}' has no chat template (chat_template in tokenizer_config.json); "
                                     "use /v1/completions with a prompt")
         prompt = template.render(checked_messages(body.get("messages")), bool(body.get("add_generation_prompt", True)))
-        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=_sampling(body)))
+        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=_sampling(body, _chat_logprobs(body))))
         return await self._answer(mv, decoded, body, _Reply("chatcmpl", "chat.completion", mv.name, chat=True), "")
 
     async def _answer(self, mv, decoded, body: dict, reply: _Reply, echo: str) -> Response:
         generation = await streaming.start(mv.runner, decoded)
+        reply.offset = len(echo)
         if not body.get("stream"):
-            text, last = await generation.collect()
-            return JSONResponse(reply.whole(echo + text, last))
+            pieces, logprobs, last = [], [], None
+            async for last in generation.events():
+                pieces.append(last.text)
+                logprobs.extend(last.logprobs or [])
+            asked = decoded.sampling.logprobs is not None
+            return JSONResponse(reply.whole(echo + "".join(pieces), last, logprobs if asked else None))
         options = body.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
 
@@ -101,8 +110,9 @@ class OpenAIRoutes:
             yield streaming.sse(reply.chunk(echo, None, first=True))
             try:
                 async for event in generation.events():
-                    if event.text or event.finish_reason is not None:
-                        yield streaming.sse(reply.chunk(event.text, _FINISH.get(event.finish_reason, event.finish_reason)))
+                    if event.text or event.finish_reason is not None or event.logprobs:
+                        yield streaming.sse(reply.chunk(event.text, _FINISH.get(event.finish_reason, event.finish_reason),
+                                                        logprobs=event.logprobs))
                     if event.finish_reason is not None and usage:
                         yield streaming.sse(reply.usage_chunk(event))
             except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
@@ -117,11 +127,8 @@ class OpenAIRoutes:
             raise InvalidInputError("the request body must be a JSON object")
         if body.get("n", 1) not in (1, None):
             raise UnsupportedError("n > 1 is not supported: send one request per completion")
-        if body.get("logprobs") not in (None, False, 0) or body.get("best_of", 1) not in (1, None):
-            raise UnsupportedError("logprobs and best_of are not supported")
-        for penalty in ("presence_penalty", "frequency_penalty"):
-            if body.get(penalty) not in (None, 0, 0.0):
-                raise UnsupportedError(f"{penalty} is not supported (only 0)")
+        if body.get("best_of", 1) not in (1, None):
+            raise UnsupportedError("best_of is not supported")
         unknown = set(body) - set(_SAMPLING) - _IGNORED
         if unknown:
             raise InvalidInputError(f"unsupported fields {sorted(unknown)[:10]}")
@@ -141,22 +148,39 @@ class _Reply:
     def __init__(self, prefix: str, kind: str, model: str, chat: bool):
         self.id, self.kind, self.model, self.chat = f"{prefix}-{uuid.uuid4().hex}", kind, model, chat
         self.created = int(time.time())
+        self.offset = 0  # completions' text_offset of the next token
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def whole(self, text: str, last) -> dict:
+    def whole(self, text: str, last, logprobs: list | None = None) -> dict:
         finish = _FINISH.get(last.finish_reason, last.finish_reason)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
-                  if self.chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+        shaped = self._logprobs(logprobs)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": shaped}
+                  if self.chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": shaped})
         return self._object(self.kind, [choice], usage=_usage(last))
 
-    def chunk(self, text: str, finish: str | None, first: bool = False) -> dict:
+    def chunk(self, text: str, finish: str | None, first: bool = False, logprobs: list | None = None) -> dict:
+        shaped = self._logprobs(logprobs)
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shaped}
             return self._object("chat.completion.chunk", [choice])
-        return self._object(self.kind, [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}])
+        return self._object(self.kind, [{"index": 0, "text": text, "finish_reason": finish, "logprobs": shaped}])
+
+    def _logprobs(self, entries: list | None) -> dict | None:
+        """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists with text offsets."""
+        if entries is None:
+            return None
+        if self.chat:
+            return {"content": [{**_chat_logprob(e.sampled), "top_logprobs": [_chat_logprob(t) for t in e.top]}
+                                for e in entries]}
+        offsets = []
+        for entry in entries:
+            offsets.append(self.offset)
+            self.offset += len(entry.sampled.token)
+        return {"tokens": [e.sampled.token for e in entries], "token_logprobs": [e.sampled.logprob for e in entries],
+                "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
 
     def usage_chunk(self, last) -> dict:
         return self._object("chat.completion.chunk" if self.chat else self.kind, [], usage=_usage(last))
@@ -185,9 +209,33 @@ def _prompt(prompt) -> tuple[str | None, list[int] | None]:
     raise InvalidInputError("'prompt' must be a string or a list of token ids (one prompt per request)")
 
 
-def _sampling(body: dict) -> dict:
+def _chat_logprob(value) -> dict:
+    return {"token": value.token, "logprob": value.logprob, "bytes": list(value.token.encode())}
+
+
+def _completion_logprobs(body: dict):
+    """Completions' `logprobs` is the number of alternatives (0: the sampled token's only); the decoder checks it."""
+    value = body.get("logprobs")
+    return None if value is None or value is False else value
+
+
+def _chat_logprobs(body: dict):
+    """Chat asks with `logprobs: true` and counts alternatives with `top_logprobs` (OpenAI's rules)."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if asked not in (None, True, False):
+        raise InvalidInputError(f"'logprobs' must be true or false, got {asked!r}")
+    if not asked:
+        if top is not None:
+            raise InvalidInputError("'top_logprobs' needs 'logprobs': true")
+        return None
+    return 0 if top is None else top
+
+
+def _sampling(body: dict, logprobs=None) -> dict:
     sampling = {"temperature": 1.0}  # OpenAI's default; send 0 for greedy
     for field, key in _SAMPLING.items():
         if body.get(field) is not None:
             sampling[key] = body[field]
+    if logprobs is not None:
+        sampling["logprobs"] = logprobs
     return sampling

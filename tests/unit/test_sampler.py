@@ -47,3 +47,18 @@ def test_a_row_with_an_unusable_distribution_falls_back_to_argmax_alone():
     assert 0 <= chosen[2] < 3 and 0 <= chosen[4] < 3
     tiny = _filtered_probs(torch.tensor([[1.0, 3.0, 2.0]]), [SamplingParams(temperature=1e-30)])
     assert torch.isfinite(tiny).all() and tiny[0, 1] == 1.0  # a tiny temperature is as good as greedy
+
+
+def test_penalties_count_per_row_and_extreme_values_never_raise():
+    from server.backends.llm.sampler import History, choose
+
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.0]] * 4)
+    histories = [History([0, 0, 3], 1), History([0, 0, 3], 1), History([2], 1), History([1], 1)]
+    params = [SamplingParams(frequency_penalty=0.2), SamplingParams(presence_penalty=0.05, logprobs=2),
+              SamplingParams(repetition_penalty=3e38, temperature=1.0), SamplingParams(min_tokens=5, stop_token_ids=(0,))]
+    chosen, logprobs = choose(logits, params, [3, 3, 1, 1], torch.Generator().manual_seed(0), histories, (1,))
+    assert chosen[0] == 1  # token 0 once in the output: 2.0 - 0.2 < 1.9
+    assert chosen[1] == 0  # presence 0.05 leaves it first
+    assert 0 <= chosen[2] < 4  # an overflowing penalty falls back instead of raising
+    assert chosen[3] == 3  # eos (1) and the stop id (0) are held back until min_tokens; 3 beats -1
+    assert set(logprobs) == {1} and logprobs[1].rank == 1 and [t for t, _ in logprobs[1].top] == [0, 1]

@@ -18,7 +18,7 @@ from server.backends.base import Backend, Device
 from server.backends.llm.attention import StepMetadata, build_group
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
-from server.backends.llm.sampler import sample
+from server.backends.llm.sampler import History, TokenLogprobs, choose
 from server.backends.llm.tokenizer import TextTokenizer
 from server.errors import ConfigError, InvalidInputError
 from server.scheduling.continuous import StepPlan
@@ -80,6 +80,7 @@ class LLMBackend(Backend):
         super().__init__(config, model_path, device)
         self.folder = model_path.parent
         self.settings = EngineSettings.from_config(config.generation, str(self.folder))
+        self.logprobs: dict[int, TokenLogprobs] = {}  # filled by `step`, emptied by `take_logprobs`
 
     def load(self) -> None:
         self.args = LlamaArgs.load(self.folder)
@@ -172,8 +173,17 @@ class LLMBackend(Backend):
                                 self.caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=device))
             if not samplers:
                 return {}
-            chosen = sample(logits, [s.sampling for s in samplers], [s.num_tokens for s in samplers], self.generator)
+            chosen, logprobs = choose(logits, [s.sampling for s in samplers], [s.num_tokens for s in samplers],
+                                      self.generator, [History(s.token_ids, s.prompt_len) for s in samplers],
+                                      tuple(self.eos_token_ids))
+        self.logprobs.update((samplers[row].seq_id, value) for row, value in logprobs.items())
         return {seq.seq_id: token for seq, token in zip(samplers, chosen)}
+
+    def take_logprobs(self) -> dict[int, TokenLogprobs]:
+        """{seq_id: logprobs} of the tokens sampled since the last call, for sequences that asked. Kept
+        beside `step`'s tokens so a step's result stays {seq_id: token} for the isolation re-runs."""
+        taken, self.logprobs = self.logprobs, {}
+        return taken
 
     def unload(self) -> None:
         self.model = None
