@@ -7,21 +7,13 @@ import sys
 
 import numpy as np
 import tritonclient.grpc as tc
-from tritonclient.utils import InferenceServerException
+from tritonclient_calls import error  # run as a script: its folder is on sys.path
 
 
 def tensor(name, array, datatype):
     t = tc.InferInput(name, list(array.shape), datatype)
     t.set_data_from_numpy(array)
     return t
-
-
-def error(fn):
-    try:
-        fn()
-    except InferenceServerException as exc:
-        return {"status": exc.status(), "message": exc.message()}
-    return None
 
 
 def ensembles(client) -> dict:

@@ -7,15 +7,7 @@ import sys
 
 import numpy as np
 import tritonclient.grpc as tc
-from tritonclient.utils import InferenceServerException
-
-
-def error(fn):
-    try:
-        fn()
-    except InferenceServerException as exc:
-        return {"status": exc.status(), "message": exc.message()}
-    return None
+from tritonclient_calls import error  # run as a script: its folder is on sys.path
 
 
 def classification(client) -> dict:
