@@ -8,7 +8,6 @@ does), then `finish_reason` and usage. Decoding and checking are the generation 
 
 from __future__ import annotations
 
-import functools
 import json
 import time
 
@@ -25,22 +24,11 @@ from server.runners.generation import GenerationInput
 from server.runners.sampling import KEYS as SAMPLING_KEYS
 from server.web import streaming
 from server.web.body import read_body
-from server.web.errors import kserve_error, message_of, status_of
-from server.web.kserve import model_paths
+from server.web.errors import message_of
+from server.web.kserve import kserve_errors, model_paths
 from server.web.tensors import parse_json
 
 _INPUTS = {"text_input", "max_tokens", "stream", "exclude_input_in_output", "sampling_parameters", "parameters", "id"}
-
-
-def _errors(handler):
-    @functools.wraps(handler)
-    async def wrapper(self, request: Request):
-        try:
-            return await handler(self, request)
-        except Exception as exc:  # noqa: BLE001 - answered with its status; message_of logs the unexpected ones
-            return kserve_error(status_of(exc), message_of(exc))
-
-    return wrapper
 
 
 class GenerateRoutes:
@@ -51,7 +39,7 @@ class GenerateRoutes:
         return ([Route(p, self.generate, methods=["POST"]) for p in model_paths("/generate")]
                 + [Route(p, self.generate_stream, methods=["POST"]) for p in model_paths("/generate_stream")])
 
-    @_errors
+    @kserve_errors
     async def generate(self, request: Request) -> Response:
         mv, body, generation = await self._start(request)
         text, last = await generation.collect()
@@ -59,7 +47,7 @@ class GenerateRoutes:
             text = body["text_input"] + text
         return JSONResponse(_answer(mv, text, last))
 
-    @_errors
+    @kserve_errors
     async def generate_stream(self, request: Request) -> Response:
         mv, _, generation = await self._start(request)
 
