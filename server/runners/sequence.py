@@ -7,17 +7,24 @@ implicit state carried from the sequence's previous request, and hands the reque
 batching runner, so requests of different sequences are batched together (at most one per sequence
 in a batch, since a sequence's next request waits for its previous answer). Live sequences, their
 slots and idle release are the pure policy in scheduling/sequence_slots.py.
+
+A sequence that starts while every slot is taken waits in a backlog, first come first served, as
+Triton's sequence batcher does: a freed slot (an END, a failure, an idle release) goes straight to
+the oldest waiting sequence, so a newcomer can never overtake it. The wait is bounded by the
+request's deadline and by the backlog's length (MAX_QUEUED_REQUESTS, then UNAVAILABLE).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
 import numpy as np
 
-from server.errors import InvalidInputError, ModelUnavailableError, QueueFullError
+from server.defaults import MAX_QUEUED_REQUESTS
+from server.errors import DeadlineExceededError, InvalidInputError, ModelUnavailableError, QueueFullError
 from server.request import InferRequest
 from server.runners.base import INFER, RunnerBase
 from server.runners.batch import ModelRunner
@@ -35,6 +42,7 @@ class SequenceRunner(RunnerBase):
         self.inner, self.extra, self.slots = inner, extra, slots
         self._tails: dict[object, asyncio.Future] = {}  # per sequence: its last request's completion
         self._busy: dict[object, int] = {}  # sequences with a request in flight (never released idle)
+        self._backlog: collections.deque[tuple[object, asyncio.Future]] = collections.deque()  # waiting STARTs
 
     def start(self) -> None:
         self.inner.start()
@@ -62,10 +70,13 @@ class SequenceRunner(RunnerBase):
 
     async def _run(self, request: InferRequest, flags: SequenceFlags) -> dict[str, np.ndarray]:
         now = time.monotonic_ns()
-        live = self.slots.begin(flags.cid, now) if flags.start else self.slots.touch(flags.cid, now)
-        if live is None and flags.start:
-            raise QueueFullError(f"model '{self.name}': all {self.slots.capacity} sequence slots are in use; "
-                                 "retry when a sequence ends or goes idle")
+        if flags.start:
+            restart = self.slots.touch(flags.cid, now) is not None  # a live sequence restarting needs no new slot
+            live = self.slots.begin(flags.cid, now) if restart or not self._backlog else None  # no overtaking
+            if live is None:
+                live = await self._wait_for_slot(flags.cid, request.deadline_ns)
+        else:
+            live = self.slots.touch(flags.cid, now)
         if live is None:
             raise InvalidInputError(f"inference request for sequence {flags.cid!r} to model '{self.name}' must "
                                     "specify the START flag on the first request of the sequence (it is not active: "
@@ -76,13 +87,51 @@ class SequenceRunner(RunnerBase):
         try:
             outputs = await self.inner.infer(request)
         except BaseException:
-            self.slots.end(flags.cid)  # a failed step leaves no state to carry on from
+            self._end(flags.cid)  # a failed step leaves no state to carry on from
             raise
         live.state = self.extra.carried(outputs)
         self.slots.touch(flags.cid, time.monotonic_ns())
         if flags.end:
-            self.slots.end(flags.cid)
+            self._end(flags.cid)
         return self.extra.visible(outputs)
+
+    async def _wait_for_slot(self, cid, deadline_ns: int | None):
+        """Wait in the backlog until a freed slot is handed to `cid`; refuse past the deadline or limit."""
+        if len(self._backlog) >= MAX_QUEUED_REQUESTS:
+            raise QueueFullError(f"model '{self.name}': all {self.slots.capacity} sequence slots are in use and "
+                                 f"{len(self._backlog)} sequences wait for one; retry later")
+        granted = asyncio.get_running_loop().create_future()
+        self._backlog.append((cid, granted))
+        log.info("model '%s': sequence %r waits for a sequence slot (%d waiting)", self.name, cid, len(self._backlog))
+        timeout = None if deadline_ns is None else max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9)
+        try:
+            return await asyncio.wait_for(asyncio.shield(granted), timeout)
+        except (TimeoutError, asyncio.CancelledError) as exc:
+            if granted.done() and not granted.cancelled() and granted.exception() is None:
+                self._end(cid)  # granted as we gave up: pass the slot on
+            else:
+                granted.cancel()  # _grant skips it
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceededError(f"sequence {cid!r} of model '{self.name}' waited for a sequence slot "
+                                            "until its deadline passed") from None
+            raise
+
+    def _end(self, cid) -> None:
+        self.slots.end(cid)
+        self._grant()
+
+    def _grant(self) -> None:
+        """Hand free slots to the oldest waiting sequences (a slot is taken for them before they wake)."""
+        while self._backlog:
+            cid, granted = self._backlog[0]
+            if granted.done():
+                self._backlog.popleft()
+                continue
+            live = self.slots.begin(cid, time.monotonic_ns())
+            if live is None:
+                return
+            self._backlog.popleft()
+            granted.set_result(live)
 
     def _check_corrid(self, flags: SequenceFlags) -> None:
         for c in self.extra.controls:
@@ -96,6 +145,7 @@ class SequenceRunner(RunnerBase):
         while self._accepting:
             for cid in self.slots.expire(time.monotonic_ns(), set(self._busy)):
                 log.info("model '%s': sequence %r released after %.3f s idle", self.name, cid, self.slots.idle_ns / 1e9)
+            self._grant()
             self._wake.clear()
             wake_ns = self.slots.next_event_ns()
             timeout = None if wake_ns is None else max(0.0, (wake_ns - time.monotonic_ns()) / 1e9)
@@ -107,6 +157,11 @@ class SequenceRunner(RunnerBase):
     async def close(self, grace_s: float) -> None:
         self._accepting = False
         self._wake.set()
+        while self._backlog:  # never started: nothing of theirs to drain
+            _, granted = self._backlog.popleft()
+            if not granted.done():
+                granted.set_exception(ModelUnavailableError(
+                    f"model '{self.name}' stopped before a sequence slot was free for this sequence"))
         await self.inner.close(grace_s)
         if self._task is not None:
             await self._task

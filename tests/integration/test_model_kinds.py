@@ -114,3 +114,40 @@ def test_idle_sequence_is_released_after_the_timeout(tmp_path):
         assert kserve.outputs(send(2, start=True))["OUTPUT"].tolist() == [[2]]  # a fresh sequence, fresh state
     finally:
         server.stop()
+
+
+def test_a_sequence_that_finds_every_slot_taken_waits_in_the_backlog(tmp_path):
+    """One slot (oldest, max_candidate_sequences 1): a second sequence's START waits, first come first
+    served, until the first sequence ends; a third that gives up (its deadline) leaves no trace."""
+    model_kinds.accumulate(tmp_path, "one", "oldest: {max_candidate_sequences: 1}")
+    server = RunningServer(tmp_path)
+    stub = kserve.stub(server.channel)
+
+    def request(cid: int, value: int, start=False, end=False):
+        r = kserve.request("one", {"INPUT": np.array([[value]], np.int32)})
+        r.parameters["sequence_id"].uint64_param = cid
+        r.parameters["sequence_start"].bool_param = start
+        r.parameters["sequence_end"].bool_param = end
+        return r
+
+    def waiting(count: int) -> None:
+        deadline = time.monotonic() + 30  # the server's own report that the START is in the backlog
+        while f"waits for a sequence slot ({count} waiting)" not in server.output:
+            assert time.monotonic() < deadline, server.output
+            time.sleep(0.02)
+
+    try:
+        assert kserve.outputs(stub.ModelInfer(request(1, 5, start=True), timeout=30))["OUTPUT"].tolist() == [[5]]
+        second = stub.ModelInfer.future(request(2, 7, start=True), timeout=60)
+        waiting(1)
+        with pytest.raises(grpc.RpcError) as gave_up:  # waits behind the second, and its deadline passes first
+            stub.ModelInfer(request(3, 1, start=True), timeout=1)
+        assert gave_up.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert not second.done()  # still waiting: sequence 1 holds the only slot
+        assert kserve.outputs(stub.ModelInfer(request(1, 2, end=True), timeout=30))["OUTPUT"].tolist() == [[7]]
+        assert kserve.outputs(second.result())["OUTPUT"].tolist() == [[7]]  # its own state, from zero
+        assert kserve.outputs(stub.ModelInfer(request(2, 3, end=True), timeout=30))["OUTPUT"].tolist() == [[10]]
+        # the one that gave up holds nothing: a new sequence gets the free slot at once
+        assert kserve.outputs(stub.ModelInfer(request(4, 9, start=True), timeout=30))["OUTPUT"].tolist() == [[9]]
+    finally:
+        server.stop()
