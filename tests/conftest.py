@@ -28,12 +28,14 @@ def pytest_collection_modifyitems(config, items):
 class RunningServer:
     """A `ferry serve` subprocess; its stdout is collected so tests can read what it printed."""
 
-    def __init__(self, repo: Path, *extra: str, timeout_s: float = 90, module: str = "server"):
-        """`module`: what `python -m` runs; a test launcher may register a test backend, then run Ferry's main."""
+    def __init__(self, repo: Path, *extra: str, timeout_s: float = 90, module: str = "server",
+                 env: dict[str, str] | None = None):
+        """`module`: what `python -m` runs; a test launcher may register a test backend, then run Ferry's main.
+        `env`: variables added to the server's environment (e.g. a TMPDIR of the test's own)."""
         cmd = [sys.executable, "-m", module, "serve", "--model-repository", str(repo),
                "--grpc-port", "0", "--http-port", "0", "--metrics-port", "0", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self.lines: list[str] = []
         self._ready = threading.Event()
         threading.Thread(target=self._pump, daemon=True).start()

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -83,9 +82,13 @@ def test_model_control_explicit_mode_config_override_and_inline_files(tmp_path):
     builders.add_sub(repo / "simple" / "1" / "model.onnx")
     builders.add_sub(repo / "later" / "1" / "model.onnx")
     inline = builders.add_sub(tmp_path / "outside" / "1" / "model.onnx")
-    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "simple")
+    server_tmp = tmp_path / "server-tmp"  # the server's own TMPDIR: other processes' inline folders never show here
+    server_tmp.mkdir()
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "simple",
+                           env={"TMPDIR": str(server_tmp)})
     try:
         found = run_calls(server, "model_control", env={"INLINE_MODEL": str(inline)})["model_control"]
+        assert not list(server_tmp.glob("ferry-inline-*/inline"))  # the inline folder went with the unload
     finally:
         server.stop()
     assert found["ready_at_start"] == {"simple": True, "later": False}  # explicit: only --load-model
@@ -99,7 +102,6 @@ def test_model_control_explicit_mode_config_override_and_inline_files(tmp_path):
         assert found[key]["status"] == "StatusCode.INVALID_ARGUMENT", key
         assert "failed to poll from model repository" in found[key]["message"]
     assert found["live"]
-    assert not list(Path(tempfile.gettempdir()).glob("ferry-inline-*/inline"))  # the inline folder went with the unload
 
 
 @pytest.mark.parametrize("mode", ["none", "poll"])
