@@ -28,8 +28,10 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     return tok.get_vocab_size()
 
 
-def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512) -> Path:
-    """Save a random `family` model (llama, mistral or qwen2) with transformers' save_pretrained, and a tokenizer."""
+def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512,
+                **overrides) -> Path:
+    """Save a random `family` model (llama, mistral, qwen2 or qwen3) with transformers' save_pretrained,
+    and a tokenizer; `overrides` go to the config (head_dim, sliding_window, rope_parameters...)."""
     import torch
     import transformers
 
@@ -37,29 +39,32 @@ def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int 
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                   initializer_range=0.5, bos_token_id=0, eos_token_id=1, tie_word_embeddings=False)
-    if family == "llama":
-        config = transformers.LlamaConfig(**common, rope_theta=10000.0)
-        model_cls = transformers.LlamaForCausalLM
-    elif family == "mistral":
-        config = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
-        model_cls = transformers.MistralForCausalLM
-    elif family == "qwen2":
-        config = transformers.Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1e6)
-        model_cls = transformers.Qwen2ForCausalLM
-    else:
+    families = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
+                    dict(rope_theta=10000.0, sliding_window=None)),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6, tie_word_embeddings=True)),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1e6, head_dim=16)),
+    }
+    if family not in families:
         raise ValueError(family)
+    config_cls, model_cls, defaults = families[family]
+    config = config_cls(**{**common, **defaults, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 
 
-def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' own greedy generate: the independent implementation Ferry is checked against."""
+def reference_greedy(folder: Path, prompt: list[int], max_new_tokens: int, **config_overrides) -> list[int]:
+    """transformers' own greedy generate: the independent implementation Ferry is checked against.
+    `config_overrides` change the config as loaded (attn_implementation, or switching a feature off to
+    show that it matters)."""
     import torch
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                              **config_overrides).eval()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         # An explicit mask: without one, generate() infers it from pad_token_id and would mask every

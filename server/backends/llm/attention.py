@@ -5,6 +5,11 @@ K/V live in one cache per layer, shaped [num_slots, kv_heads, head_dim] with slo
 slots. Sequences are attended in two padded groups, decodes (one query each) and prompt chunks, so
 one long prompt never pads hundreds of decodes to its length; within a group it is one batched
 scaled_dot_product_attention call, no Python loop over sequences.
+
+Sliding-window layers (Mistral, Qwen2/Qwen3 with `use_sliding_window`) let the query at position p
+see only keys p - window < k <= p, as transformers does. The window is a second mask over the same
+gathered keys; when every layer slides, only the keys some query of the step can still see are
+gathered, so a decode reads at most `window` keys however long the sequence has grown.
 """
 
 from __future__ import annotations
@@ -19,8 +24,12 @@ import torch.nn.functional as F
 class AttentionGroup:
     token_index: torch.Tensor  # [S, Q] positions in the flattened step (padding repeats a valid index)
     query_valid: torch.Tensor  # [S, Q] bool
-    context_slots: torch.Tensor  # [S, C] cache slots of each sequence's context (padding: slot 0)
-    mask: torch.Tensor  # [S, 1, Q, C] bool: key is in the context and not after the query
+    context_slots: torch.Tensor  # [S, C] cache slots of the keys gathered for each sequence (padding: slot 0)
+    mask: torch.Tensor | None  # [S, 1, Q, C] bool: key gathered and not after the query; None if every layer slides
+    window_mask: torch.Tensor | None  # the same, also within the sliding window; None if no layer slides
+
+    def mask_for(self, sliding: bool) -> torch.Tensor:
+        return self.window_mask if sliding else self.mask
 
 
 @dataclass(slots=True)
@@ -30,41 +39,53 @@ class StepMetadata:
 
 
 def build_group(starts: list[int], lengths: list[int], computed: list[int], tables: list[list[int]],
-                block_size: int, device) -> AttentionGroup:
-    """Gather indices and mask for sequences whose queries are tokens [start, start + length) of the step,
-    at positions computed .. computed + length - 1 of their own sequence."""
+                block_size: int, device, window: int | None = None, full: bool = True) -> AttentionGroup:
+    """Gather indices and masks for sequences whose queries are tokens [start, start + length) of the step,
+    at positions computed .. computed + length - 1 of their own sequence. `window`: the sliding window of
+    the layers that slide (None: none does); `full`: some layer attends to the whole context."""
     num, q_max = len(starts), max(lengths)
     ctx_lens = [c + n for c, n in zip(computed, lengths)]
-    c_max = max(ctx_lens)
+    # The first key any query of the step can see: the sequence's first, unless every layer slides.
+    first = [0 if full or window is None else max(0, c - window + 1) for c in computed]
+    c_max = max(n - f for n, f in zip(ctx_lens, first))
     q_off = torch.arange(q_max)
     token_index = torch.tensor(starts).unsqueeze(1) + q_off  # [S, Q]
     query_valid = q_off.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
     token_index = torch.where(query_valid, token_index, torch.tensor(starts).unsqueeze(1))
-    blocks_max = -(-c_max // block_size)
+    blocks_max = -(-max(ctx_lens) // block_size)
     table = torch.zeros(num, blocks_max, dtype=torch.long)
     for i, blocks in enumerate(tables):
         used = blocks[:blocks_max]
         table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
-    c_off = torch.arange(c_max)
-    slots = table[:, c_off // block_size] * block_size + c_off % block_size  # [S, C]
-    ctx = torch.tensor(ctx_lens).unsqueeze(1)
-    key_valid = c_off.unsqueeze(0) < ctx  # [S, C]
-    query_pos = torch.tensor(computed).unsqueeze(1) + q_off  # [S, Q]
-    causal = c_off.view(1, 1, -1) <= query_pos.unsqueeze(2)  # [S, Q, C]
-    mask = causal & key_valid.unsqueeze(1)
-    mask[:, :, 0] |= ~query_valid  # padded queries attend to one key rather than to none (NaN)
+    key_pos = torch.tensor(first).unsqueeze(1) + torch.arange(c_max)  # [S, C] positions of the gathered keys
+    key_valid = key_pos < torch.tensor(ctx_lens).unsqueeze(1)
+    key_pos = torch.where(key_valid, key_pos, torch.zeros_like(key_pos))
+    slots = table.gather(1, key_pos // block_size) * block_size + key_pos % block_size
     slots = torch.where(key_valid, slots, torch.zeros_like(slots))
-    return AttentionGroup(token_index.to(device), query_valid.to(device), slots.to(device), mask.unsqueeze(1).to(device))
+    query_pos = (torch.tensor(computed).unsqueeze(1) + q_off).unsqueeze(2)  # [S, Q, 1]
+    causal = (key_pos.unsqueeze(1) <= query_pos) & key_valid.unsqueeze(1)  # [S, Q, C]
+    mask = causal if full else None
+    window_mask = causal & (key_pos.unsqueeze(1) > query_pos - window) if window is not None else None
+
+    def finish(m: torch.Tensor | None) -> torch.Tensor | None:
+        if m is None:
+            return None
+        m[:, :, 0] |= ~query_valid  # padded queries attend to one key rather than to none (NaN)
+        return m.unsqueeze(1).to(device)
+
+    return AttentionGroup(token_index.to(device), query_valid.to(device), slots.to(device), finish(mask),
+                          finish(window_mask))
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
+                    sliding: bool = False) -> torch.Tensor:
     # q: [T, H, D]; caches: [slots, KVH, D]
     out = torch.empty_like(q)
     for group in meta.groups:
         qg = q[group.token_index].transpose(1, 2)  # [S, H, Q, D]
         kg = k_cache[group.context_slots].transpose(1, 2)  # [S, KVH, C, D]
         vg = v_cache[group.context_slots].transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask, enable_gqa=True)  # [S, H, Q, D]
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask_for(sliding), enable_gqa=True)
         og = og.transpose(1, 2)  # [S, Q, H, D]
         out[group.token_index[group.query_valid]] = og[group.query_valid]
     return out

@@ -93,16 +93,14 @@ class LLMBackend(Backend):
         self.model.inv_freq = rope_inv_freq(self.args).to(self.torch_device)
         self.tokenizer = TextTokenizer(self.folder)
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.args.eos_token_ids
-        limit = self.settings.max_model_len or self.args.max_position
-        if self.args.sliding_window and limit > self.args.sliding_window:
-            limit = self.args.sliding_window  # sliding-window attention is not implemented: stay inside one window
-        self.max_model_len = min(limit, self.args.max_position)
+        self.max_model_len = min(self.settings.max_model_len or self.args.max_position, self.args.max_position)
         self.num_kv_blocks = self._num_blocks()
         self.caches = self._allocate_caches()
         self.generator = torch.Generator(device=self.torch_device)
         self.generator.manual_seed(0)
-        log.info("model '%s': %s on %s (%s), %d KV blocks of %d tokens", self.config.name, self.args.model_type,
-                 self.device, str(self.dtype).removeprefix("torch."), self.num_kv_blocks, self.settings.block_size)
+        log.info("model '%s': %s on %s (%s), %d KV blocks of %d tokens%s", self.config.name, self.args.model_type,
+                 self.device, str(self.dtype).removeprefix("torch."), self.num_kv_blocks, self.settings.block_size,
+                 f", sliding window {self.args.sliding_window}" if self.args.sliding_window else "")
 
     def _dtype(self) -> torch.dtype:
         chosen = self.settings.dtype
@@ -166,7 +164,8 @@ class LLMBackend(Backend):
                 samplers.append(seq)
             start += n
         device = self.torch_device
-        groups = [build_group(*zip(*group), bs, device) for group in (decode, prefill) if group]
+        window, full = self.args.sliding_window, not all(self.args.sliding_layers)
+        groups = [build_group(*zip(*group), bs, device, window, full) for group in (decode, prefill) if group]
         meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), groups)
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),

@@ -1,4 +1,4 @@
-"""The Llama family in plain torch (Llama, Mistral, Qwen2), reading Hugging Face weight names as saved."""
+"""The Llama family in plain torch (Llama, Mistral, Qwen2, Qwen3), reading Hugging Face weight names as saved."""
 
 from __future__ import annotations
 
@@ -57,24 +57,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, sliding: bool):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.sliding = sliding
         bias = args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
         self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=False)
+        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.output_bias)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata):
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), cos, sin)
+        q = self.q_proj(x).view(t, self.heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalises each head before rotating it
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = cache
         k_cache[meta.slot_mapping] = k
         v_cache[meta.slot_mapping] = v
-        out = paged_attention(q, k_cache, v_cache, meta)  # [T, H, D]
+        out = paged_attention(q, k_cache, v_cache, meta, self.sliding)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))
 
 
@@ -90,9 +96,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, index: int):
         super().__init__()
-        self.self_attn = Attention(args)
+        self.self_attn = Attention(args, args.sliding_layers[index])
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -106,7 +112,7 @@ class Backbone(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
 
