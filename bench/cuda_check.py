@@ -5,7 +5,8 @@
 Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script exits 1 if any failed:
 1. device counts: each backend with a CUDA branch (onnx, pytorch, llm) reports as many CUDA devices
    as torch sees (0 here without CUDA, which the loader relies on to refuse KIND_GPU);
-2. tests/gpu (ORT really gets the CUDA provider; generation on CUDA equals the CPU's tokens);
+2. tests/gpu (ORT really gets the CUDA provider; generation on CUDA equals the CPU's tokens for Llama,
+   Qwen3 with its own head_dim, and Mistral decoding past its sliding window);
 3. raw ONNX Runtime throughput of the heavy benchmark model, CUDA provider vs CPU, at batch 1..128;
 4. generation in bf16 with a 6-layer random Llama: output tokens/s for 1, 16 and 64 sequences
    decoding together (the continuous-batching engine in process, no gRPC);

@@ -23,7 +23,10 @@ def test_onnx_runtime_really_gets_the_cuda_provider(tmp_path):
     assert backend.describe()["execution_provider"] == "CUDAExecutionProvider"
 
 
-def test_generation_on_cuda_matches_the_cpu(tmp_path):
+@pytest.mark.parametrize("family, overrides", [("llama", {}), ("qwen3", {"head_dim": 24}),
+                                               ("mistral", {"sliding_window": 8})])
+def test_generation_on_cuda_matches_the_cpu(tmp_path, family, overrides):
+    """Qwen3's q/k norms and head_dim, and the sliding-window masks (prompt + output pass the window of 8)."""
     pytest.importorskip("transformers", reason="builds the test model")
     from protos import model_config_pb2 as mc
     from server.backends.base import Device
@@ -33,7 +36,7 @@ def test_generation_on_cuda_matches_the_cpu(tmp_path):
     from server.scheduling.sequence import SamplingParams, Sequence
     from tests.llm_builders import build_model
 
-    folder = build_model(tmp_path / "m" / "1")
+    folder = build_model(tmp_path / "m" / "1", family, **overrides)
     outputs = {}
     for device in (Device("cpu"), Device("cuda", 0)):
         config = mc.ModelConfig(name="m", backend="llm")
