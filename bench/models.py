@@ -130,9 +130,6 @@ def random_llama(folder: Path, vocab: int, hidden: int, intermediate: int, layer
     """A seeded random Llama saved by transformers, with a word-level tokenizer ("t0 t1 ..." -> ids)."""
     import torch
     import transformers
-    from tokenizers import Tokenizer
-    from tokenizers import models as tokenizer_models
-    from tokenizers import pre_tokenizers
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
@@ -140,7 +137,16 @@ def random_llama(folder: Path, vocab: int, hidden: int, intermediate: int, layer
                                       max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=1,
                                       tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    word_tokenizer(folder, vocab)
+    return folder
+
+
+def word_tokenizer(folder: Path, vocab: int) -> None:
+    """A word-level tokenizer.json ("t0 t1 ..." -> ids) beside a random model."""
+    from tokenizers import Tokenizer
+    from tokenizers import models as tokenizer_models
+    from tokenizers import pre_tokenizers
+
     tok = Tokenizer(tokenizer_models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(folder / "tokenizer.json"))
-    return folder

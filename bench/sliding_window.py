@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import common
+from bench import common, models
 
 STEPS_PER_ROUND = 8
 
@@ -35,6 +35,7 @@ def build(folder: Path, window: int, max_positions: int) -> tuple[Path, Path]:
                                         sliding_window=window, bos_token_id=0, eos_token_id=1)
     windowed = folder / "window" / "1"
     transformers.MistralForCausalLM(config).save_pretrained(str(windowed))
+    models.word_tokenizer(windowed, 2048)
     full = folder / "full" / "1"
     shutil.copytree(windowed, full)
     raw = json.loads((full / "config.json").read_text())
