@@ -42,7 +42,7 @@ from protos import generate_pb2_grpc as gen_grpc
 
 STATIC_BATCH = 16
 WARM_SEED, POISSON_SEED = 900, 500
-DEFAULT_STEP_MS = "60,120"  # the step-time targets the burst is run with, unless --max-step-ms says otherwise
+DEFAULT_STEP_MS = "50,100"  # the step-time targets the burst is run with, unless --max-step-ms says otherwise
 
 
 def build_model(folder: Path) -> None:

@@ -12,7 +12,8 @@ NOTE: the cost model is a line, step_ms = fixed + per_token * tokens, fitted by 
 exponentially decayed past steps (recent steps count most, so it follows load and context growth).
 While every recent step had about the same size the slope cannot be told from the intercept; then
 the whole cost is charged per token (a line through 0), which overestimates the slope and so errs
-towards smaller chunks.
+towards smaller chunks. One step is counted at most twice its predicted cost, so a lone stall (the
+machine busy elsewhere) does not cut every chunk to the minimum for the next dozen steps.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import math
 from dataclasses import dataclass
 
 DECAY = 0.9  # weight of the past at each new step: about the last 10-20 steps shape the fit
+STALL = 2.0  # a step counts at most this many times its predicted cost: a real slowdown is still
+# followed within a few steps, a one-off stall moves the fit by a bounded amount
 _FLAT = 1.0  # tokens^2: a decayed variance of step sizes below this cannot fix a slope
 
 
@@ -39,6 +42,9 @@ class StepCost:
         """Fold in one step that computed `tokens` tokens and took `ms` milliseconds."""
         if tokens <= 0 or not math.isfinite(ms) or ms < 0:
             return
+        if self.fitted:  # a lone stall (another process took the cores) must not shrink chunks for many steps
+            fixed, per_token = self.line()
+            ms = min(ms, STALL * (fixed + per_token * tokens))
         d = self.decay
         self._w = d * self._w + 1
         self._x = d * self._x + tokens

@@ -142,3 +142,14 @@ def test_without_a_target_the_plan_is_what_the_token_budget_alone_gives():
     s.submit(long)
     plan = step(s)
     assert dict((q.seq_id, n) for q, n in plan.entries)[long.seq_id] == 512 - 10
+
+
+def test_a_lone_stall_moves_the_fit_a_bounded_amount_while_a_lasting_slowdown_is_followed():
+    cost = StepCost()
+    for tokens in (10, 100) * 10:
+        cost.observe(tokens, 1.0 * tokens)
+    cost.observe(10, 5000.0)  # 500x its cost once: counted as 2x
+    assert cost.tokens_within(100) >= 50
+    for tokens in (10, 100) * 30:
+        cost.observe(tokens, 3.0 * tokens)  # three times slower for good
+    assert cost.line()[1] == pytest.approx(3.0, rel=0.05)
