@@ -1,23 +1,29 @@
 """Generation benchmark: continuous batching vs static batching vs one at a time vs transformers.
 
-    python -m bench.generation [--requests 48] [--rates 2,4]
-    python -m bench.generation --prefix [--shared-requests 200] [--chats 50]
+    python -m bench.generation [--requests 48] [--rates 2,4] [--repeat 3] [--max-step-ms 50,100] [--burst-only]
+    python -m bench.generation --prefix [--shared-requests 200] [--chats 50] [--chat-system-len 500]
 
-One run, one locally saved random Llama (transformers' save_pretrained), one set of random-token
-prompts of mixed lengths, and four ways to serve them:
-  (a) Ferry over gRPC (continuous batching, paged KV cache), all at once and at Poisson rates;
+One run, one locally saved random Llama (transformers' save_pretrained), random-token prompts of mixed
+lengths, and four ways to serve them:
+  (a) Ferry over gRPC (continuous batching, paged KV cache), all at once without and with each step-time
+      target (`generation.max_step_ms`), and at Poisson rates;
   (b) static batching on the same engine: batches of 16 (and one batch of everything) in arrival order,
       prompts padded to the batch's longest, each batch run until its longest member is done (every
       member decodes that long, no one joins mid-batch);
   (c) one request at a time on the same engine;
   (d) transformers' own continuous batching (`init_continuous_batching`), same model and prompts.
 Figures: output tokens/s (useful tokens only), time to first token and inter-token latency p50/p99,
-KV utilisation. The all-at-once runs of (a) and (d), which the ratios compare, are repeated and the
-median kept. Appended to bench/RESULTS.md.
+KV utilisation. The all-at-once runs of (a) and (d), which the ratios compare, run in interleaved
+rounds with fresh prompts each round (the prefix cache must not skip a round's prefill because the
+previous round sent the same prompts); each figure is the median over rounds. --burst-only runs just
+those. Appended to bench/RESULTS.md.
 
 With --prefix, the prefix-caching workloads instead, each on two copies of the model, caching off and
-on: (a) requests sharing a 1,000-token system prompt, (b) multi-turn chats resending the conversation.
-Figures: prompt tokens computed (from the server's prefix-cache counters), time to first token, tokens/s.
+on: (a) requests sharing a 1,000-token system prompt, (b) multi-turn chats resending the conversation,
+(c) the same chats after a system prompt they all share, (d) requests sharing nothing (throughput must
+not drop with caching on); (a)-(c) also through transformers' continuous batching for reference.
+Figures: prompt tokens computed (from the server's prefix-cache counters) and the fewest any cache of
+16-token blocks could leave, time to first token, tokens/s.
 """
 
 from __future__ import annotations
@@ -348,15 +354,15 @@ def fewest_computed(conversations, system_len: int, block: int) -> tuple[int, in
     any conversation computed it; its own conversation so far except the last answer token, which is
     sampled but never fed) and always computes its last prompt token. Concurrency is ignored: the bound."""
     sent = computed = 0
-    for conversation in conversations:
-        history = known = system_len  # the system prompt: computed by whichever conversation came first
+    for i, conversation in enumerate(conversations):
+        history, known = system_len, system_len if i else 0  # the first one computes the system prompt
         for user, answer in conversation:
             prompt = history + user
             cached = min(known, prompt - 1) // block * block
             sent += prompt
             computed += prompt - cached
             history, known = prompt + answer, prompt + answer - 1
-    return sent, computed + (system_len if conversations and system_len else 0)
+    return sent, computed
 
 
 def prefix_main(args) -> None:
