@@ -21,7 +21,7 @@ those. Appended to bench/RESULTS.md.
 With --prefix, the prefix-caching workloads instead, each on two copies of the model, caching off and
 on: (a) requests sharing a 1,000-token system prompt, (b) multi-turn chats resending the conversation,
 (c) the same chats after a system prompt they all share, (d) requests sharing nothing (throughput must
-not drop with caching on); (a)-(c) also through transformers' continuous batching for reference.
+not drop with caching on); with --transformers, (a)-(c) also through transformers' continuous batching.
 Figures: prompt tokens computed (from the server's prefix-cache counters) and the fewest any cache of
 16-token blocks could leave, time to first token, tokens/s.
 """
@@ -401,17 +401,15 @@ def prefix_main(args) -> None:
                 asyncio.run(ferry_run(address, warm, [0.0] * len(warm), model))
             for tag, (run, _, _, _) in workloads.items():
                 for model, label in (("uncached", "off"), ("cached", "on")):
-                    rows.append(measure_prefix(address, metrics, model, f"{tag}, caching {label}",
-                                               lambda m=model, run=run: run(address, m)))
+                    rows.append(shown(measure_prefix(address, metrics, model, f"{tag}, caching {label}",
+                                                     lambda m=model, run=run: run(address, m))))
             rows += no_shared_prefix_rows(args, address, metrics)
         finally:
             proc.terminate()
             proc.wait()
-        if not args.no_transformers:
+        if args.transformers:
             for tag, (_, reference, _, _) in workloads.items():
-                rows.append(reference(folder, f"{tag}, transformers CB"))
-    for row in rows:
-        print(row, flush=True)
+                rows.append(shown(reference(folder, f"{tag}, transformers CB")))
     report = prefix_report(args, jobs, scripts, workloads, rows)
     print(report)
     if not args.no_record:
@@ -430,7 +428,12 @@ def no_shared_prefix_rows(args, address, metrics) -> list[dict]:
         for model, label in (("uncached", "off"), ("cached", "on")):
             runs[label].append(measure_prefix(address, metrics, model, f"{NO_SHARED}, caching {label}",
                                               lambda m=model, jobs=jobs: _jobs_run(address, jobs, m)))
-    return [median_row(rows) for rows in runs.values()]
+    return [shown(median_row(rows)) for rows in runs.values()]
+
+
+def shown(row: dict) -> dict:
+    print(row, flush=True)  # as it comes: a long run cut short still leaves its figures
+    return row
 
 
 def prefix_report(args, jobs, scripts, workloads, rows) -> str:
@@ -440,8 +443,8 @@ def prefix_report(args, jobs, scripts, workloads, rows) -> str:
              f"{args.chat_system_len}-token system prompt shared by all, as chat applications send; (d) the 48 "
              f"requests of the main benchmark with fresh random prompts, {args.repeat} interleaved rounds, medians. "
              "Random tokens; model: Llama, 6 layers, hidden 512 (about 20M parameters), float32 on the CPU; "
-             "1,024 KV blocks of 16 tokens either way. transformers CB: its continuous batching with its "
-             "default prefix sharing (allow_block_sharing), for reference; it reports no prompt-token counts.", "",
+             "1,024 KV blocks of 16 tokens either way. transformers CB (with --transformers): its continuous batching "
+             "with its default prefix sharing (allow_block_sharing), for reference; it reports no prompt-token counts.", "",
              common.table(rows, ["mode", "prompt_tokens", "prompt_computed", "ttft_p50_ms", "ttft_p99_ms",
                                  "itl_p50_ms", "itl_p99_ms", "output_tok_s", "wall_s", "runs"]), ""]
     by = {r["mode"]: r for r in rows}
@@ -477,7 +480,9 @@ def main() -> None:
     parser.add_argument("--shared-requests", type=int, default=200, help="--prefix: requests sharing the system prompt")
     parser.add_argument("--chats", type=int, default=50, help="--prefix: concurrent 4-turn chats")
     parser.add_argument("--chat-system-len", type=int, default=500, help="--prefix: system prompt of the chats of (c)")
-    parser.add_argument("--no-transformers", action="store_true", help="--prefix: skip the transformers reference")
+    parser.add_argument("--transformers", action="store_true",
+                        help="--prefix: also run (a)-(c) through transformers' continuous batching (slow on a CPU: "
+                             "over 20 minutes and 12 GB for (a) on 2 cores)")
     args = parser.parse_args()
     if args.prefix:
         prefix_main(args)
