@@ -13,6 +13,7 @@ _LABELS = ("model", "version")
 _PREFIX_COUNTERS = {"prefix_query_tokens": "query_tokens", "prefix_hit_tokens": "hit_tokens",
                     "prefix_query_blocks": "query_blocks", "prefix_hit_blocks": "hit_blocks",
                     "prefix_evictions": "evictions"}
+_STEP_TOKEN_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096 tokens
 _TOKEN_BUCKETS_US = (1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
 
 
@@ -48,6 +49,10 @@ class GenerationFamilies:
         self.ttft_us = histogram("ferry_time_to_first_token_us", "Arrival to first generated token")
         self.itl_us = histogram("ferry_inter_token_latency_us", "Time between consecutive tokens of a sequence")
         self.e2e_us = histogram("ferry_generation_duration_us", "Arrival to last token")
+        self.step_us = histogram("ferry_generation_step_duration_us", "One scheduling step: plan, model step, "
+                                 "streaming its tokens (what a decode waits between two tokens)")
+        self.step_tokens = Histogram("ferry_generation_step_tokens", "Tokens one model step computed (decodes plus "
+                                     "prompt chunks)", _LABELS, buckets=_STEP_TOKEN_BUCKETS, registry=registry)
 
 
 class GenerationStats:
@@ -61,7 +66,7 @@ class GenerationStats:
             labels = {"model": model, "version": str(version)}
             self._c = {name: getattr(families, name).labels(**labels) for name in (
                 "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
-                "queue_us", "ttft_us", "itl_us", "e2e_us", "kv_cached", *_PREFIX_COUNTERS,
+                "queue_us", "ttft_us", "itl_us", "e2e_us", "step_us", "step_tokens", "kv_cached", *_PREFIX_COUNTERS,
                 "prefix_hit_rate_tokens", "prefix_hit_rate_blocks")}
         self._prefix_seen = dict.fromkeys(_PREFIX_COUNTERS, 0)
 
@@ -92,6 +97,11 @@ class GenerationStats:
         self.step_reruns += passes
         if self._c:
             self._c["step_reruns"].inc(passes)
+
+    def observe_step(self, tokens: int, ns: int) -> None:
+        if self._c:
+            self._c["step_tokens"].observe(tokens)
+            self._c["step_us"].observe(ns / 1000)
 
     def observe(self, name: str, ns: int) -> None:
         if self._c:

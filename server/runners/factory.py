@@ -106,7 +106,7 @@ def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_st
         raise ConfigError(f"model '{name}': a generation model runs exactly one instance (instance_group count 1)")
     backend = entry.backends[0]
     settings = generation_settings(entry.config.generation, backend.max_model_len, backend.num_kv_blocks,
-                                   frozenset(backend.eos_token_ids))
+                                   frozenset(backend.eos_token_ids), source=name)
     pool = KVBlockPool(backend.num_kv_blocks, backend.settings.block_size, settings.enable_prefix_caching)
     scheduler = ContinuousScheduler(settings.continuous, pool)
     return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens,

@@ -196,6 +196,15 @@ class GenerationRunner(RunnerBase):
                 token = sampled.get(seq.seq_id)
                 if token is not None and not seq.cancelled:
                     self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id)))
+            self._measured(outcome, now)
+
+    def _measured(self, outcome: StepOutcome, started_ns: int) -> None:
+        """Feed the step-time target what this whole iteration cost (what a decode waited between two
+        tokens); a step re-run to isolate a failure is no measure of the normal cost."""
+        tokens, elapsed = outcome.ran.num_tokens, time.monotonic_ns() - started_ns
+        self.gen_stats.observe_step(tokens, elapsed)
+        if tokens and not outcome.reruns:
+            self.scheduler.observe_step(tokens, elapsed / 1e6)
 
     def _fail_alone(self, outcome: StepOutcome) -> None:
         """End the sequences the step raised on by themselves: their blocks go back, their callers get the error."""

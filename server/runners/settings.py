@@ -8,6 +8,7 @@ engine's KV sizing and dtype) stay with their backend, which reads them when it 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from protos import model_config_pb2 as mc
@@ -84,7 +85,7 @@ class GenerationSettings:
 
 
 def generation_settings(g: mc.ModelGeneration, max_model_len: int, num_kv_blocks: int,
-                        eos_token_ids: frozenset[int] = frozenset()) -> GenerationSettings:
+                        eos_token_ids: frozenset[int] = frozenset(), source: str = "model") -> GenerationSettings:
     """`max_model_len`, `num_kv_blocks`, `eos_token_ids`: what the loaded engine found (they depend on
     the model's files and the device's memory, so only the backend knows them)."""
     defaults = ContinuousSettings()
@@ -95,6 +96,19 @@ def generation_settings(g: mc.ModelGeneration, max_model_len: int, num_kv_blocks
         max_waiting=g.max_waiting or defaults.max_waiting,
         admit_margin_blocks=max(1, num_kv_blocks // ADMIT_MARGIN_PER_BLOCKS),
         eos_token_ids=frozenset(eos_token_ids),
+        max_step_ms=g.max_step_ms,
+        min_prefill_tokens=g.min_prefill_tokens or defaults.min_prefill_tokens,
     )
+    _check_step_target(continuous, source)
     caching = g.enable_prefix_caching if g.HasField("enable_prefix_caching") else GenerationSettings.enable_prefix_caching
     return GenerationSettings(continuous, g.default_max_tokens or DEFAULT_MAX_TOKENS, caching)
+
+
+def _check_step_target(s: ContinuousSettings, source: str) -> None:
+    if not math.isfinite(s.max_step_ms) or s.max_step_ms < 0:
+        raise field_error(source, "generation.max_step_ms",
+                          f"must be a number of milliseconds >= 0 (0: no target), got {s.max_step_ms}")
+    if s.min_prefill_tokens > s.max_num_batched_tokens:
+        raise field_error(source, "generation.min_prefill_tokens",
+                          f"is {s.min_prefill_tokens}, more than generation.max_num_batched_tokens "
+                          f"({s.max_num_batched_tokens}) allows in one step")

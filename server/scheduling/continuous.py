@@ -12,6 +12,9 @@ or duplicate. A step that preempted admits nothing new, and admission keeps a ma
 so a resumed sequence is not evicted again at once. With prefix caching, a waiting sequence is
 admitted with the cached blocks of its longest cached prefix and `num_computed` past them: blocks
 and token budget are counted for the rest only (a resumed sequence often finds its own blocks).
+With a step-time target (`max_step_ms`, step_budget.py), prompt chunks get only what the target
+leaves after the step's decodes, judged by the step cost the runner measures and passes in
+(`observe_step`); this module reads no clock.
 Every token-level finish (eos, a stop token id, max_tokens, max_model_len) is decided here,
 in `postprocess`; the runner only adds text-level stops. eos and stop token ids end nothing within
 the first `min_tokens` tokens (the sampler also keeps them from being chosen there).
@@ -27,6 +30,7 @@ from server.errors import InvalidInputError, QueueFullError
 from server.scheduling.base import Gauges
 from server.scheduling.kv_blocks import KVBlockPool
 from server.scheduling.sequence import Sequence, SeqStatus
+from server.scheduling.step_budget import StepBudget
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +41,8 @@ class ContinuousSettings:
     max_waiting: int = 1024
     admit_margin_blocks: int = 1
     eos_token_ids: frozenset[int] = frozenset()
+    max_step_ms: float = 0.0  # step-time target (0: none); see step_budget.py
+    min_prefill_tokens: int = 32  # prompt tokens a step offers whatever the target
 
 
 @dataclass(slots=True)
@@ -62,6 +68,7 @@ class ContinuousScheduler:
         self._order = itertools.count()
         self._admissions = itertools.count()
         self.preemptions = 0
+        self.step_budget = StepBudget(settings.max_step_ms, settings.min_prefill_tokens)
 
     @property
     def num_waiting(self) -> int:
@@ -110,15 +117,30 @@ class ContinuousScheduler:
                 self._finish(seq, "cancelled")
         return dropped
 
+    def observe_step(self, num_tokens: int, step_ms: float) -> None:
+        """The runner's measurement of a step that computed `num_tokens` tokens: feeds the step-time target."""
+        self.step_budget.cost.observe(num_tokens, step_ms)
+
     def schedule(self) -> StepPlan:
         budget = self.settings.max_num_batched_tokens
         entries: list[tuple[Sequence, int]] = []
-        preempted = False
         self.running.sort(key=lambda s: (s.priority, s.admitted))
+        decoding = sum(1 for s in self.running if s.pending == 1)
+        prefill = self.step_budget.prefill_tokens(decoding, budget)  # tokens for prompt chunks, decodes apart
+        budget, prefill, preempted = self._schedule_running(entries, budget, prefill)
+        if not preempted:
+            self._admit(entries, budget, prefill)
+        return StepPlan(entries)
+
+    def _schedule_running(self, entries: list, budget: int, prefill: int) -> tuple[int, int, bool]:
+        preempted = False
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.pending, budget)
+            chunk = seq.pending > 1
+            n = min(seq.pending, budget, prefill if chunk else 1)
+            if n == 0:
+                continue  # a prompt the step's target leaves no room for: it goes on next step
             while not self.pool.can_hold(seq, seq.num_computed + n):
                 victim = queue.pop() if queue else seq  # the least urgent not yet scheduled
                 self._preempt(victim)
@@ -130,18 +152,17 @@ class ContinuousScheduler:
             self.pool.allocate(seq, seq.num_computed + n)
             entries.append((seq, n))
             budget -= n
-        if not preempted:
-            budget = self._admit(entries, budget)
-        return StepPlan(entries)
+            prefill -= n if chunk else 0
+        return budget, prefill, preempted
 
-    def _admit(self, entries: list, budget: int) -> int:
+    def _admit(self, entries: list, budget: int, prefill: int) -> None:
         # The margin protects running sequences from at-once re-eviction; with none running, a request
         # that needs the whole pool must still be admitted or it would block the queue forever.
-        while self._waiting and budget > 0 and len(self.running) < self.settings.max_num_seqs:
+        while self._waiting and min(budget, prefill) > 0 and len(self.running) < self.settings.max_num_seqs:
             seq = self._waiting[0][-1]
             hit = self.pool.match(seq)
             cached = len(hit) * self.pool.block_size
-            n = min(seq.num_tokens - cached, budget)  # only what the cache does not hold is computed
+            n = min(seq.num_tokens - cached, budget, prefill)  # only what the cache does not hold is computed
             margin = self.settings.admit_margin_blocks if self.running else 0
             if not self.pool.can_admit(seq, cached + n, hit, margin):
                 break
@@ -153,7 +174,7 @@ class ContinuousScheduler:
             self.running.append(seq)
             entries.append((seq, n))
             budget -= n
-        return budget
+            prefill -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from protos import model_config_pb2 as mc
@@ -34,3 +36,21 @@ def test_bad_values_are_refused_naming_the_field(field, value, words):
     g = mc.ModelGeneration(**{field: value})
     with pytest.raises(ConfigError, match=words):
         EngineSettings.from_config(g, "cfg")
+
+
+def test_the_step_time_target_is_off_unless_set_and_reaches_the_scheduler():
+    off = generation_settings(mc.ModelGeneration(), 128, 50).continuous
+    assert (off.max_step_ms, off.min_prefill_tokens) == (0.0, 32)
+    on = generation_settings(mc.ModelGeneration(max_step_ms=45.5, min_prefill_tokens=8), 128, 50).continuous
+    assert (on.max_step_ms, on.min_prefill_tokens) == (45.5, 8)
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"max_step_ms": -1}, "'generation.max_step_ms' must be a number of milliseconds >= 0"),
+    ({"max_step_ms": float("nan")}, "'generation.max_step_ms' must be"),
+    ({"max_step_ms": float("inf")}, "'generation.max_step_ms' must be"),
+    ({"min_prefill_tokens": 4096}, "'generation.min_prefill_tokens' is 4096, more than generation.max_num_batched_tokens (2048)"),
+])
+def test_bad_step_targets_are_refused_naming_the_field_and_value(fields, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        generation_settings(mc.ModelGeneration(**fields), 128, 50, source="m")

@@ -179,3 +179,19 @@ def test_random_traffic_keeps_every_count_right():
     run_all(s)
     stats = s.pool.cache.stats
     assert s.preemptions > 0 and stats.evictions > 0 and stats.hit_tokens > 0
+
+
+def test_the_next_turn_of_a_chat_finds_the_previous_answers_blocks():
+    """A finished sequence's generated tokens are cached too (every full block it computed), so a chat
+    that resends prompt + answer + a new user part computes only the unfilled tail and the new part."""
+    s = scheduler()
+    turn = seq([1, 2, 3, 4, 5, 6], max_tokens=9)
+    s.submit(turn)
+    run_all(s)
+    history = turn.token_ids  # 6 prompt + 9 generated; the last generated one was never fed, so 14 computed
+    assert turn.finish_reason == "length" and len(history) == 15
+    following = seq(history + [20, 21, 22, 23, 24], max_tokens=2)
+    s.submit(following)
+    plan = step(s)
+    assert plan.entries == [(following, 20 - 12)]  # three full blocks: the prompt and six generated tokens
+    assert following.num_computed == 20 and s.pool.cache.stats.hit_tokens == 12

@@ -1,0 +1,155 @@
+"""The step-time target: the cost fit, and prompt chunks sized from it, fed made-up step costs (no clock)."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
+from server.scheduling.kv_blocks import KVBlockPool
+from server.scheduling.sequence import SamplingParams, Sequence, SeqStatus
+from server.scheduling.step_budget import StepBudget, StepCost
+
+_ids = iter(range(10**6))
+
+
+def seq(prompt_len: int, max_tokens: int = 1000) -> Sequence:
+    return Sequence(next(_ids), list(range(1, prompt_len + 1)), prompt_len, SamplingParams(max_tokens=max_tokens))
+
+
+def scheduler(max_step_ms: float, min_prefill: int = 4, budget: int = 512, max_seqs: int = 64) -> ContinuousScheduler:
+    settings = ContinuousSettings(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=4096,
+                                  max_step_ms=max_step_ms, min_prefill_tokens=min_prefill)
+    return ContinuousScheduler(settings, KVBlockPool(2048, 4))
+
+
+def step(s: ContinuousScheduler, cost=lambda tokens: 5.0 + 0.5 * tokens):
+    """One step; the 'model' takes `cost(tokens)` ms, reported back as the runner does."""
+    plan = s.schedule()
+    s.postprocess(plan, {q.seq_id: 7 for q, n in plan.entries if q.num_computed + n == q.num_tokens})
+    if plan:
+        s.observe_step(plan.num_tokens, cost(plan.num_tokens))
+    s.pool.check(s.running)
+    return plan
+
+
+def test_the_fit_recovers_a_line_from_steps_of_different_sizes():
+    cost = StepCost()
+    for tokens in (10, 200, 40, 90, 3, 400):
+        cost.observe(tokens, 4.0 + 0.25 * tokens)
+    fixed, per_token = cost.line()
+    assert fixed == pytest.approx(4.0) and per_token == pytest.approx(0.25)
+    assert cost.tokens_within(54.0) == 200  # (54 - 4) / 0.25
+
+
+def test_steps_all_of_one_size_charge_everything_per_token_which_errs_towards_smaller_chunks():
+    cost = StepCost()
+    for _ in range(5):
+        cost.observe(20, 30.0)  # truth could be 10 + 1 * tokens: the slope cannot be seen
+    assert cost.line() == (0.0, pytest.approx(1.5))
+    assert cost.tokens_within(60.0) == 40  # the true line would allow 50: the guess is on the safe side
+
+
+def test_recent_steps_count_most():
+    cost = StepCost()
+    for tokens in (10, 100) * 20:
+        cost.observe(tokens, 1.0 * tokens)
+    for tokens in (10, 100) * 20:  # the machine got twice as slow
+        cost.observe(tokens, 2.0 * tokens)
+    assert cost.line()[1] == pytest.approx(2.0, rel=0.05)
+
+
+def test_nonsense_measurements_are_ignored():
+    cost = StepCost()
+    for tokens, ms in ((0, 5.0), (10, float("nan")), (10, -1.0), (10, float("inf"))):
+        cost.observe(tokens, ms)
+    assert not cost.fitted and cost.tokens_within(100) is None
+
+
+@pytest.mark.parametrize("decoding, expected", [(0, 512), (10, 120 - 10), (118, 4), (600, 0)])
+def test_prefill_room_is_what_the_target_leaves_after_decodes_at_least_the_minimum(decoding, expected):
+    budget = StepBudget(max_step_ms=65.0, min_prefill_tokens=4)
+    for tokens in (10, 300):
+        budget.cost.observe(tokens, 5.0 + 0.5 * tokens)  # 65 ms holds 120 tokens
+    # no decode: nothing to protect, max_num_batched_tokens alone; a full step of decodes leaves none
+    assert budget.prefill_tokens(decoding, 512) == expected
+
+
+def test_no_target_or_no_fit_leaves_the_token_budget_alone():
+    assert StepBudget(0.0).prefill_tokens(10, 512) == 512
+    assert StepBudget(50.0).prefill_tokens(10, 512) == 512  # nothing measured yet
+
+
+def test_chunks_keep_the_predicted_step_within_the_target_and_every_decode_runs():
+    s = scheduler(max_step_ms=65.0)
+    decoders = [seq(4) for _ in range(10)]
+    for q in decoders:
+        s.submit(q)
+    step(s)  # their prompts; the first step has no decode, so nothing bounds it but the token budget
+    step(s)  # ten decodes: a second step size, so the fit finds the line
+    long = seq(1000)
+    s.submit(long)
+    chunks = []
+    while long.num_output == 0:
+        plan = step(s)
+        sizes = dict((q.seq_id, n) for q, n in plan.entries)
+        assert all(sizes.get(q.seq_id) == 1 for q in decoders)  # decodes first, every one of them
+        chunks.append(sizes[long.seq_id])
+        assert 5.0 + 0.5 * plan.num_tokens <= 65.0  # predicted (here: actual) step time within the target
+    assert chunks[:-1] == [110] * 9 and sum(chunks) == 1000
+
+
+def test_a_target_tighter_than_the_decodes_still_moves_prompts_by_the_minimum():
+    s = scheduler(max_step_ms=10.0, min_prefill=8)
+    decoders = [seq(4) for _ in range(30)]
+    for q in decoders:
+        s.submit(q)
+    step(s)
+    step(s)
+    waiting = seq(20)
+    s.submit(waiting)
+    plan = step(s)
+    assert dict((q.seq_id, n) for q, n in plan.entries)[waiting.seq_id] == 8
+    for _ in range(2):
+        step(s)
+    assert waiting.num_output == 1 and waiting.status is SeqStatus.RUNNING
+
+
+def test_several_prompts_share_one_step_allowance():
+    s = scheduler(max_step_ms=65.0)
+    decoders = [seq(4) for _ in range(10)]
+    for q in decoders:
+        s.submit(q)
+    step(s)
+    step(s)
+    a, b = seq(70), seq(70)
+    s.submit(a)
+    s.submit(b)
+    plan = step(s)
+    sizes = dict((q.seq_id, n) for q, n in plan.entries)
+    assert sizes[a.seq_id] == 70 and sizes[b.seq_id] == 40  # 110 prompt tokens in all, b's cut
+    plan = step(s)
+    assert dict((q.seq_id, n) for q, n in plan.entries)[b.seq_id] == 30
+
+
+def test_without_a_target_the_plan_is_what_the_token_budget_alone_gives():
+    s = scheduler(max_step_ms=0.0)
+    decoders = [seq(4) for _ in range(10)]
+    for q in decoders:
+        s.submit(q)
+    step(s)
+    step(s)
+    long = seq(1000)
+    s.submit(long)
+    plan = step(s)
+    assert dict((q.seq_id, n) for q, n in plan.entries)[long.seq_id] == 512 - 10
+
+
+def test_a_lone_stall_moves_the_fit_a_bounded_amount_while_a_lasting_slowdown_is_followed():
+    cost = StepCost()
+    for tokens in (10, 100) * 10:
+        cost.observe(tokens, 1.0 * tokens)
+    cost.observe(10, 5000.0)  # 500x its cost once: counted as 2x
+    assert cost.tokens_within(100) >= 50
+    for tokens in (10, 100) * 30:
+        cost.observe(tokens, 3.0 * tokens)  # three times slower for good
+    assert cost.line()[1] == pytest.approx(3.0, rel=0.05)
