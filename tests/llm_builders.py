@@ -28,8 +28,12 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
     return tok.get_vocab_size()
 
 
-def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512) -> Path:
-    """Save a random `family` model (llama, mistral or qwen2) with transformers' save_pretrained, and a tokenizer."""
+def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512,
+                attention_scale: float = 1.0) -> Path:
+    """Save a random `family` model (llama, mistral or qwen2) with transformers' save_pretrained, and a tokenizer.
+    `attention_scale` multiplies every attention output projection: 0 makes the next token a function of
+    the current one alone, so greedy output soon loops (drafts from earlier output get accepted); a
+    little above 0 keeps it looping with breaks that depend on the context."""
     import torch
     import transformers
 
@@ -50,6 +54,10 @@ def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int 
         raise ValueError(family)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if attention_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(attention_scale)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 
