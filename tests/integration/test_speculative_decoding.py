@@ -13,11 +13,11 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers builds the reference models (test extra)")
 
-from protos import generate_pb2 as gen  # noqa: E402
-from protos import generate_pb2_grpc as gen_grpc  # noqa: E402
-from protos import grpc_service_pb2 as pb  # noqa: E402
-from tests import kserve, llm_builders  # noqa: E402
-from tests.conftest import RunningServer  # noqa: E402
+from protos import generate_pb2 as gen
+from protos import generate_pb2_grpc as gen_grpc
+from protos import grpc_service_pb2 as pb
+from tests import kserve, llm_builders
+from tests.conftest import RunningServer
 
 rng = random.Random(11)
 BASE = [rng.randrange(2, 300) for _ in range(12)]
