@@ -197,7 +197,7 @@ class LLMBackend(Backend):
 
     def take_logprobs(self) -> dict[int, list[TokenLogprobs]]:
         """{seq_id: logprobs, one per token chosen} since the last call, for sequences that asked. Kept
-        beside `step`'s tokens so a step's result stays {seq_id: token} for the isolation re-runs."""
+        beside `step`'s tokens so a step's result stays tokens only, for the isolation re-runs."""
         taken, self.logprobs = self.logprobs, {}
         return taken
 
