@@ -2,6 +2,7 @@
 
     python -m bench.generation [--requests 48] [--rates 2,4] [--repeat 3] [--max-step-ms 50,100] [--burst-only]
     python -m bench.generation --prefix [--shared-requests 200] [--chats 50] [--chat-system-len 500]
+    python -m bench.generation --speculative [--spec-requests 16] [--spec-rounds 3] [--spec-k 4]  (bench/speculative.py)
 
 One run, one locally saved random Llama (transformers' save_pretrained), random-token prompts of mixed
 lengths, and four ways to serve them:
@@ -483,7 +484,16 @@ def main() -> None:
     parser.add_argument("--transformers", action="store_true",
                         help="--prefix: also run (a)-(c) through transformers' continuous batching (slow on a CPU: "
                              "over 20 minutes and 12 GB for (a) on 2 cores)")
+    parser.add_argument("--speculative", action="store_true", help="run only speculative decoding, drafts off and on")
+    parser.add_argument("--spec-requests", type=int, default=16, help="--speculative: requests at once")
+    parser.add_argument("--spec-rounds", type=int, default=3, help="--speculative: interleaved rounds (median kept)")
+    parser.add_argument("--spec-k", type=int, default=4, help="--speculative: num_speculative_tokens")
     args = parser.parse_args()
+    if args.speculative:
+        from bench import speculative
+
+        speculative.main(args, start_ferry)
+        return
     if args.prefix:
         prefix_main(args)
         return

@@ -706,7 +706,7 @@ class ModelBinPacking(_message.Message):
     def __init__(self, cost_model: _Optional[_Union[ModelBinPacking.CostModel, str]] = ..., bucket_boundaries: _Optional[_Iterable[float]] = ..., num_buckets: _Optional[int] = ..., learning_window: _Optional[int] = ..., max_batch_cost: _Optional[float] = ..., stretch: _Optional[float] = ...) -> None: ...
 
 class ModelGeneration(_message.Message):
-    __slots__ = ("block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "max_waiting", "default_max_tokens", "gpu_memory_utilization", "enable_prefix_caching", "max_step_ms", "min_prefill_tokens")
+    __slots__ = ("block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "max_waiting", "default_max_tokens", "gpu_memory_utilization", "enable_prefix_caching", "max_step_ms", "min_prefill_tokens", "speculative")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_MEMORY_MB_FIELD_NUMBER: _ClassVar[int]
@@ -720,6 +720,7 @@ class ModelGeneration(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     MAX_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     MIN_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     num_kv_blocks: int
     kv_cache_memory_mb: int
@@ -733,4 +734,17 @@ class ModelGeneration(_message.Message):
     enable_prefix_caching: bool
     max_step_ms: float
     min_prefill_tokens: int
-    def __init__(self, block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_mb: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., max_waiting: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enable_prefix_caching: _Optional[bool] = ..., max_step_ms: _Optional[float] = ..., min_prefill_tokens: _Optional[int] = ...) -> None: ...
+    speculative: ModelSpeculative
+    def __init__(self, block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_mb: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., dtype: _Optional[str] = ..., max_waiting: _Optional[int] = ..., default_max_tokens: _Optional[int] = ..., gpu_memory_utilization: _Optional[float] = ..., enable_prefix_caching: _Optional[bool] = ..., max_step_ms: _Optional[float] = ..., min_prefill_tokens: _Optional[int] = ..., speculative: _Optional[_Union[ModelSpeculative, _Mapping]] = ...) -> None: ...
+
+class ModelSpeculative(_message.Message):
+    __slots__ = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MAX_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOOKUP_MIN_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    def __init__(self, method: _Optional[str] = ..., num_speculative_tokens: _Optional[int] = ..., prompt_lookup_max: _Optional[int] = ..., prompt_lookup_min: _Optional[int] = ...) -> None: ...

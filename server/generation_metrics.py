@@ -14,6 +14,8 @@ _PREFIX_COUNTERS = {"prefix_query_tokens": "query_tokens", "prefix_hit_tokens": 
                     "prefix_query_blocks": "query_blocks", "prefix_hit_blocks": "hit_blocks",
                     "prefix_evictions": "evictions"}
 _STEP_TOKEN_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096 tokens
+# counter name -> SpeculativeStats field (scheduling/speculative.py); vLLM's spec_decode names
+_SPEC_COUNTERS = {"spec_drafts": "drafts", "spec_draft_tokens": "draft_tokens", "spec_accepted_tokens": "accepted_tokens"}
 _TOKEN_BUCKETS_US = (1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
 
 
@@ -45,6 +47,13 @@ class GenerationFamilies:
                 f"ferry_prefix_cache_hit_rate_{unit}", f"Hit {unit} / query {unit} since the model loaded"))
         self.prefix_evictions = Counter("ferry_prefix_cache_evictions", "Idle cached KV blocks reused for other "
                                         "tokens (least recently used first)", _LABELS, registry=registry)
+        self.spec_drafts = Counter("ferry_spec_decode_num_drafts", "Speculative decoding: steps a sequence was fed "
+                                   "drafts in", _LABELS, registry=registry)
+        self.spec_draft_tokens = Counter("ferry_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens "
+                                         "checked", _LABELS, registry=registry)
+        self.spec_accepted_tokens = Counter("ferry_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
+                                            "the model agreed with (kept)", _LABELS, registry=registry)
+        self.spec_acceptance_rate = gauge("ferry_spec_decode_acceptance_rate", "Accepted / drafted tokens since the model loaded")
         self.queue_us = histogram("ferry_generation_queue_duration_us", "Arrival to first scheduled step")
         self.ttft_us = histogram("ferry_time_to_first_token_us", "Arrival to first generated token")
         self.itl_us = histogram("ferry_inter_token_latency_us", "Time between consecutive tokens of a sequence")
@@ -67,8 +76,9 @@ class GenerationStats:
             self._c = {name: getattr(families, name).labels(**labels) for name in (
                 "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
                 "queue_us", "ttft_us", "itl_us", "e2e_us", "step_us", "step_tokens", "kv_cached", *_PREFIX_COUNTERS,
-                "prefix_hit_rate_tokens", "prefix_hit_rate_blocks")}
+                "prefix_hit_rate_tokens", "prefix_hit_rate_blocks", *_SPEC_COUNTERS, "spec_acceptance_rate")}
         self._prefix_seen = dict.fromkeys(_PREFIX_COUNTERS, 0)
+        self._spec_seen = dict.fromkeys(_SPEC_COUNTERS, 0)
 
     def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int, fragmentation: float, preemptions: int) -> None:
         added, self.preemptions = preemptions - self.preemptions, preemptions
@@ -92,6 +102,18 @@ class GenerationStats:
         for unit in ("tokens", "blocks"):
             queries = getattr(stats, f"query_{unit}")
             self._c[f"prefix_hit_rate_{unit}"].set(getattr(stats, f"hit_{unit}") / queries if queries else 0.0)
+
+    def set_speculative(self, stats) -> None:
+        """`stats`: the speculator's SpeculativeStats (running totals); counters advance by what is new."""
+        if not self._c:
+            return
+        for name, field in _SPEC_COUNTERS.items():
+            total = getattr(stats, field)
+            if total > self._spec_seen[name]:
+                self._c[name].inc(total - self._spec_seen[name])
+                self._spec_seen[name] = total
+        if stats.draft_tokens:
+            self._c["spec_acceptance_rate"].set(stats.accepted_tokens / stats.draft_tokens)
 
     def count_reruns(self, passes: int) -> None:
         self.step_reruns += passes

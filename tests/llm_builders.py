@@ -29,9 +29,12 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
 
 
 def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512,
-                **overrides) -> Path:
+                attention_scale: float = 1.0, **overrides) -> Path:
     """Save a random `family` model (llama, mistral, qwen2 or qwen3) with transformers' save_pretrained,
-    and a tokenizer; `overrides` go to the config (head_dim, sliding_window, rope_parameters...)."""
+    and a tokenizer; `overrides` go to the config (head_dim, sliding_window, rope_parameters...).
+    `attention_scale` multiplies every attention output projection: 0 makes the next token a function of
+    the current one alone, so greedy output soon loops (drafts from earlier output get accepted); a
+    little above 0 keeps it looping with breaks that depend on the context."""
     import torch
     import transformers
 
@@ -52,6 +55,10 @@ def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int 
     config = config_cls(**{**common, **defaults, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if attention_scale != 1.0:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(attention_scale)
     model.save_pretrained(str(folder), safe_serialization=True)
     return folder
 

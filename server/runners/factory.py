@@ -23,7 +23,8 @@ from server.runners.sequence import SequenceRunner
 from server.runners.sequence_inputs import SequenceInputs
 from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
-from server.runners.settings import batching_settings, binpack_settings, generation_settings, request_queue
+from server.runners.settings import (batching_settings, binpack_settings, generation_settings, request_queue,
+                                     speculative_settings)
 from server.scheduling.base import Scheduler
 from server.scheduling.binpack import BinPackBatcher
 from server.scheduling.budget import ByteBudget
@@ -31,6 +32,7 @@ from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.dynamic import DynamicBatcher
 from server.scheduling.kv_blocks import KVBlockPool
 from server.scheduling.sequence_slots import SequenceSlots
+from server.scheduling.speculative import Speculator
 from server.worker import Worker
 
 if TYPE_CHECKING:
@@ -108,6 +110,7 @@ def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_st
     settings = generation_settings(entry.config.generation, backend.max_model_len, backend.num_kv_blocks,
                                    frozenset(backend.eos_token_ids), source=name)
     pool = KVBlockPool(backend.num_kv_blocks, backend.settings.block_size, settings.enable_prefix_caching)
-    scheduler = ContinuousScheduler(settings.continuous, pool)
+    speculative = speculative_settings(entry.config)
+    scheduler = ContinuousScheduler(settings.continuous, pool, Speculator(speculative) if speculative else None)
     return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens,
                             budget)

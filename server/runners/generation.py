@@ -189,13 +189,16 @@ class GenerationRunner(RunnerBase):
             done = time.monotonic_ns()
             self._fail_alone(outcome)
             sampled, logprobs = outcome.sampled, self.backend.take_logprobs()
+            before = [(seq, seq.num_tokens) for seq, _ in outcome.ran.entries]
             self.scheduler.postprocess(outcome.ran, sampled)
             if outcome.ran:
                 self.stats.record_batch(len(sampled), len(outcome.ran.entries), 0, done - now, 0)
-            for seq, _ in outcome.ran.entries:
-                token = sampled.get(seq.seq_id)
-                if token is not None and not seq.cancelled:
-                    self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id)))
+            for seq, length in before:
+                new = seq.token_ids[length:]  # one token, or several when drafts were kept (speculative.py)
+                for i, token in enumerate(new):
+                    if seq.cancelled or seq.handle.done:
+                        break
+                    self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id), i), last=i == len(new) - 1)
             self._measured(outcome, now)
 
     def _measured(self, outcome: StepOutcome, started_ns: int) -> None:
@@ -248,16 +251,20 @@ class GenerationRunner(RunnerBase):
         if timer is not None:
             timer.cancel()
 
-    def _logprobs(self, raw) -> list[TokenLogprobs] | None:
-        """The sampler's (id, logprob) pairs with each token's text, or None when not asked for."""
-        if raw is None:
+    def _logprobs(self, per_token, i: int) -> list[TokenLogprobs] | None:
+        """The sampler's (id, logprob) pairs of a step's `i`-th new token of a sequence, with each token's
+        text, or None when not asked for."""
+        if per_token is None or i >= len(per_token):
             return None
+        raw = per_token[i]
         decode = self.backend.tokenizer.decode
         return [TokenLogprobs(Logprob(raw.token_id, decode([raw.token_id]), raw.logprob), raw.rank,
                               [Logprob(t, decode([t]), lp) for t, lp in raw.top])]
 
-    def _emit(self, seq: Sequence, token: int, now: int, logprobs: list[TokenLogprobs] | None = None) -> None:
-        """Turn one sampled token into text; the scheduler already finished `seq` if the token ends it."""
+    def _emit(self, seq: Sequence, token: int, now: int, logprobs: list[TokenLogprobs] | None = None,
+              last: bool = True) -> None:
+        """Turn one sampled token into text; the scheduler already finished `seq` if its `last` token of
+        the step ends it."""
         stream = seq.handle
         if stream.first_token_ns is None:
             stream.first_token_ns = now
@@ -265,7 +272,7 @@ class GenerationRunner(RunnerBase):
         else:
             self.gen_stats.observe("itl_us", now - stream.last_token_ns)
         stream.last_token_ns = now
-        finish = seq.finish_reason if seq.status is SeqStatus.FINISHED else None
+        finish = seq.finish_reason if last and seq.status is SeqStatus.FINISHED else None
         text, stopped = ("", False) if finish == "eos" else stream.stops.feed(stream.detokenizer.add(token))
         if stopped:  # a stop string: text-level, so the runner's to decide
             finish = "stop"
@@ -300,6 +307,8 @@ class GenerationRunner(RunnerBase):
         s, pool = self.scheduler, self.scheduler.pool
         self.gen_stats.set_state(len(s.running), s.num_waiting, pool.num_used, pool.num_blocks, s.fragmentation(), s.preemptions)
         self.gen_stats.set_prefix_cache(len(pool.cache), pool.cache.stats)
+        if s.speculator is not None:
+            self.gen_stats.set_speculative(s.speculator.stats)
         self.stats.set_gauges(s.gauges())
 
     async def _shutdown(self) -> None:

@@ -18,6 +18,7 @@ from server.scheduling.continuous import ContinuousSettings
 from server.scheduling.dynamic import BatchingSettings
 from server.scheduling.queue import DELAY, REJECT, QueuePolicy, RequestQueue
 from server.scheduling.sequence import DEFAULT_MAX_TOKENS
+from server.scheduling.speculative import SpeculativeSettings
 
 # Admission keeps one KV block in this many free while sequences run (at least one), so a sequence
 # resumed after a preemption is not evicted again at once.
@@ -112,3 +113,24 @@ def _check_step_target(s: ContinuousSettings, source: str) -> None:
         raise field_error(source, "generation.min_prefill_tokens",
                           f"is {s.min_prefill_tokens}, more than generation.max_num_batched_tokens "
                           f"({s.max_num_batched_tokens}) allows in one step")
+
+
+def speculative_settings(config: mc.ModelConfig) -> SpeculativeSettings | None:
+    """`generation.speculative`, checked; None when absent or its method is empty (off)."""
+    spec = config.generation.speculative
+    if not spec.method:
+        if spec.num_speculative_tokens:
+            raise field_error(config.name, "generation.speculative.method", "is empty; set it to \"ngram\"")
+        return None
+    if spec.method != "ngram":
+        raise field_error(config.name, "generation.speculative.method",
+                          f"is {spec.method!r}; Ferry implements \"ngram\" (prompt lookup)")
+    if spec.num_speculative_tokens < 1:
+        raise field_error(config.name, "generation.speculative.num_speculative_tokens", "must be at least 1 with method ngram")
+    defaults = SpeculativeSettings(1)
+    lookup_max = spec.prompt_lookup_max or max(defaults.prompt_lookup_max, spec.prompt_lookup_min)
+    lookup_min = spec.prompt_lookup_min or min(defaults.prompt_lookup_min, lookup_max)
+    if lookup_min > lookup_max:
+        raise field_error(config.name, "generation.speculative.prompt_lookup_min",
+                          f"{lookup_min} exceeds prompt_lookup_max {lookup_max}")
+    return SpeculativeSettings(spec.num_speculative_tokens, lookup_max, lookup_min)

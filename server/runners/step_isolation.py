@@ -23,7 +23,7 @@ from typing import Callable
 from server.scheduling.continuous import StepPlan
 from server.scheduling.sequence import Sequence
 
-Step = Callable[[StepPlan], dict[int, int]]
+Step = Callable[[StepPlan], dict[int, int | list[int]]]
 
 
 @dataclass(slots=True)
@@ -31,21 +31,21 @@ class StepOutcome:
     """What a step came to: the tokens of the entries that ran, and the sequences that raised alone."""
 
     ran: StepPlan  # the entries that ran, in the plan's order: what postprocess must see
-    sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> token, for entries in `ran`
+    sampled: dict[int, int | list[int]] = field(default_factory=dict)  # seq_id -> token(s), for entries in `ran`
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
     reruns: int = 0  # passes beyond the first, spent finding the raising sequences
 
 
 def run_step_isolated(step: Step, plan: StepPlan) -> StepOutcome:
     """Run `plan`; if it raises, run its halves (depth first, in plan order) until each raising entry is alone."""
-    sampled: dict[int, int] = {}
+    sampled: dict[int, int | list[int]] = {}
     failed: list[tuple[Sequence, Exception]] = []
     reruns = 0
     parts = [plan.entries]
     while parts:
         entries = parts.pop()
         try:
-            sampled.update(step(StepPlan(entries)))
+            sampled.update(step(StepPlan(entries, plan.drafts)))
         except Exception as exc:  # noqa: BLE001 - whatever the model raised, it fails this part only
             if len(entries) == 1:
                 failed.append((entries[0][0], exc))
@@ -54,5 +54,5 @@ def run_step_isolated(step: Step, plan: StepPlan) -> StepOutcome:
             parts += [entries[half:], entries[:half]]  # the first half is popped first
             reruns += 2
     gone = {id(seq) for seq, _ in failed}
-    ran = StepPlan([entry for entry in plan.entries if id(entry[0]) not in gone])
+    ran = StepPlan([entry for entry in plan.entries if id(entry[0]) not in gone], plan.drafts)
     return StepOutcome(ran, sampled, failed, reruns)

@@ -17,19 +17,22 @@ leaves after the step's decodes, judged by the step cost the runner measures and
 (`observe_step`); this module reads no clock.
 Every token-level finish (eos, a stop token id, max_tokens, max_model_len) is decided here,
 in `postprocess`; the runner only adds text-level stops. eos and stop token ids end nothing within
-the first `min_tokens` tokens (the sampler also keeps them from being chosen there).
+the first `min_tokens` tokens (the sampler also keeps them from being chosen there). With a
+speculator (speculative.py), decoding sequences are given drafts from what the step leaves, and
+`postprocess` keeps only the drafts the model agreed with.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from server.errors import InvalidInputError, QueueFullError
 from server.scheduling.base import Gauges
 from server.scheduling.kv_blocks import KVBlockPool
 from server.scheduling.sequence import Sequence, SeqStatus
+from server.scheduling.speculative import Speculator
 from server.scheduling.step_budget import StepBudget
 
 
@@ -47,9 +50,11 @@ class ContinuousSettings:
 
 @dataclass(slots=True)
 class StepPlan:
-    """What one model step computes: each sequence with the number of its tokens to feed."""
+    """What one model step computes: each sequence with the number of its tokens to feed. A sequence in
+    `drafts` is fed its pending token, then those draft tokens (counted in its entry's number)."""
 
     entries: list[tuple[Sequence, int]]
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> draft tokens (speculative.py)
 
     @property
     def num_tokens(self) -> int:
@@ -60,9 +65,10 @@ class StepPlan:
 
 
 class ContinuousScheduler:
-    def __init__(self, settings: ContinuousSettings, pool: KVBlockPool):
+    def __init__(self, settings: ContinuousSettings, pool: KVBlockPool, speculator: Speculator | None = None):
         self.settings = settings
         self.pool = pool
+        self.speculator = speculator
         self.running: list[Sequence] = []
         self._waiting: list[tuple[int, int, int, Sequence]] = []  # heap: (priority, 0 if preempted, order, seq)
         self._order = itertools.count()
@@ -128,9 +134,14 @@ class ContinuousScheduler:
         decoding = sum(1 for s in self.running if s.pending == 1)
         prefill = self.step_budget.prefill_tokens(decoding, budget)  # tokens for prompt chunks, decodes apart
         budget, prefill, preempted = self._schedule_running(entries, budget, prefill)
-        if not preempted:
-            self._admit(entries, budget, prefill)
-        return StepPlan(entries)
+        if preempted:
+            return StepPlan(entries)
+        budget, prefill = self._admit(entries, budget, prefill)
+        if self.speculator is None:
+            return StepPlan(entries)
+        # Drafts are extra tokens like a prompt chunk's: they take what the step's target leaves.
+        room = min(budget, prefill)
+        return StepPlan(entries, self.speculator.draft(entries, room, self._reserve, self.settings.max_model_len))
 
     def _schedule_running(self, entries: list, budget: int, prefill: int) -> tuple[int, int, bool]:
         preempted = False
@@ -155,7 +166,13 @@ class ContinuousScheduler:
             prefill -= n if chunk else 0
         return budget, prefill, preempted
 
-    def _admit(self, entries: list, budget: int, prefill: int) -> None:
+    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        if not self.pool.can_hold(seq, num_tokens):
+            return False
+        self.pool.allocate(seq, num_tokens)
+        return True
+
+    def _admit(self, entries: list, budget: int, prefill: int) -> tuple[int, int]:
         # The margin protects running sequences from at-once re-eviction; with none running, a request
         # that needs the whole pool must still be admitted or it would block the queue forever.
         while self._waiting and min(budget, prefill) > 0 and len(self.running) < self.settings.max_num_seqs:
@@ -175,6 +192,7 @@ class ContinuousScheduler:
             entries.append((seq, n))
             budget -= n
             prefill -= n
+        return budget, prefill
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -184,14 +202,19 @@ class ContinuousScheduler:
         self.preemptions += 1
         self._push_waiting(seq, preempted=True)
 
-    def postprocess(self, plan: StepPlan, sampled: dict[int, int]) -> list[Sequence]:
+    def postprocess(self, plan: StepPlan, sampled: dict[int, int | list[int]]) -> list[Sequence]:
         """Fold a finished step back in: advance computed counts and append sampled tokens. A sequence
         whose new token ends it leaves `running`, gives back its blocks and is returned, with
-        `finish_reason` set. Cancelled sequences are left to `drop_cancelled`."""
+        `finish_reason` set. Cancelled sequences are left to `drop_cancelled`. A drafted sequence's
+        value is the model's choice after each token it was fed (see `_verify`)."""
         finished = []
         for seq, n in plan.entries:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # cancelled or finished while the step ran: its output is dropped
+            if seq.seq_id in plan.drafts:
+                if self._verify(seq, plan.drafts[seq.seq_id], sampled.get(seq.seq_id)):
+                    finished.append(seq)
+                continue
             seq.num_computed += n
             self.pool.cache_full_blocks(seq)
             token = sampled.get(seq.seq_id)
@@ -203,6 +226,29 @@ class ContinuousScheduler:
                 self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def _verify(self, seq: Sequence, drafts: list[int], choices: list[int] | None) -> bool:
+        """Append the tokens a drafted step yields, up to the first that ends the sequence; keep K/V and
+        blocks for the tokens kept only. True when the sequence finished."""
+        if choices is None:
+            return False
+        fed = seq.num_computed  # the pending token sits here, the drafts after it
+        tokens = self.speculator.verify(drafts, choices)
+        reason = None
+        for token in tokens:
+            seq.token_ids.append(token)
+            reason = None if seq.cancelled else self._finish_reason(seq, token)
+            if reason is not None:
+                break
+        # K/V is right for the pending token and every kept draft: all but the last token kept (the
+        # model's own choice, fed next step), or every token up to a finish that cut the kept drafts.
+        seq.num_computed = min(seq.num_tokens, fed + len(tokens))
+        self.pool.cache_full_blocks(seq)
+        if reason is not None:
+            self.finish(seq, reason)
+            return True
+        self.pool.trim(seq, seq.num_tokens)
+        return False
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling

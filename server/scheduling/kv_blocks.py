@@ -111,6 +111,19 @@ class KVBlockPool:
         seq.block_hashes.extend(names)
 
     # ------------------------------------------------------------ release
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back `seq`'s blocks past those holding `num_tokens` tokens (rejected speculative drafts'
+        room). They lie past `num_computed`, so they are neither shared nor named."""
+        keep = self.blocks_for(num_tokens)
+        if keep < len(seq.block_hashes):
+            raise ValueError(f"sequence {seq.seq_id}: trimming to {keep} blocks would drop named ones")
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            if self._refs[block] != 1:
+                raise AssertionError(f"block {block} past sequence {seq.seq_id}'s tokens has {self._refs[block]} refs")
+            self._refs[block] = 0
+            self._free.append(block)
+
     def free(self, seq: Sequence) -> None:
         # Last block first: the deepest blocks of a prefix become least recently used, so they are
         # evicted before the blocks they depend on (a child without its parent can never be hit).

@@ -80,7 +80,7 @@ class LLMBackend(Backend):
         super().__init__(config, model_path, device)
         self.folder = model_path.parent
         self.settings = EngineSettings.from_config(config.generation, str(self.folder))
-        self.logprobs: dict[int, TokenLogprobs] = {}  # filled by `step`, emptied by `take_logprobs`
+        self.logprobs: dict[int, list[TokenLogprobs]] = {}  # filled by `step`, emptied by `take_logprobs`
 
     def load(self) -> None:
         self.args = LlamaArgs.load(self.folder)
@@ -144,43 +144,59 @@ class LLMBackend(Backend):
         """Never called: the factory gives a generation model a GenerationRunner, which calls `step`."""
         raise NotImplementedError("generation models run step by step")
 
-    def step(self, plan: StepPlan) -> dict[int, int]:
+    def step(self, plan: StepPlan) -> dict[int, int | list[int]]:
         """Run one forward pass over every planned token; return {seq_id: sampled token} for sequences
-        whose plan brings them up to date (the others were fed a prompt chunk only)."""
+        whose plan brings them up to date (the others were fed a prompt chunk only), and for a sequence
+        fed drafts (`plan.drafts`) the token chosen after each fed position from its pending token on."""
         ids, positions, slots = [], [], []
-        decode, prefill = [], []
-        logits_rows, samplers = [], []
+        decode, verify, prefill = [], [], []
+        rows, samplers, histories = [], [], []  # one per chosen token: step row, sequence, its history
         bs = self.settings.block_size
         start = 0
         for seq, n in plan.entries:
             first = seq.num_computed
-            ids.extend(seq.token_ids[first : first + n])
+            drafts = plan.drafts.get(seq.seq_id, [])
+            ids.extend(seq.token_ids[first : first + n - len(drafts)])
+            ids.extend(drafts)
             pos = np.arange(first, first + n)
             positions.append(pos)
             slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)  # where each new K/V goes
-            (decode if n == 1 else prefill).append((start, n, first, seq.block_table))
-            if first + n == seq.num_tokens:
-                logits_rows.append(start + n - 1)
-                samplers.append(seq)
+            (decode if n == 1 else verify if drafts else prefill).append((start, n, first, seq.block_table))
+            if first + n == seq.num_tokens + len(drafts):
+                for j in range(len(drafts) + 1):  # the choice after the pending token and after each draft
+                    rows.append(start + n - 1 - len(drafts) + j)
+                    samplers.append(seq)
+                    histories.append(History(seq.token_ids + drafts[:j] if j else seq.token_ids, seq.prompt_len))
             start += n
         device = self.torch_device
         window, full = self.args.sliding_window, not all(self.args.sliding_layers)
-        groups = [build_group(*zip(*group), bs, device, window, full) for group in (decode, prefill) if group]
+        groups = [build_group(*zip(*group), bs, device, window, full) for group in (decode, verify, prefill) if group]
         meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), groups)
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),
-                                self.caches, meta, torch.tensor(logits_rows, dtype=torch.long, device=device))
+                                self.caches, meta, torch.tensor(rows, dtype=torch.long, device=device))
             if not samplers:
                 return {}
-            chosen, logprobs = choose(logits, [s.sampling for s in samplers], [s.num_tokens for s in samplers],
-                                      self.generator, [History(s.token_ids, s.prompt_len) for s in samplers],
-                                      tuple(self.eos_token_ids))
-        self.logprobs.update((samplers[row].seq_id, value) for row, value in logprobs.items())
-        return {seq.seq_id: token for seq, token in zip(samplers, chosen)}
+            chosen, logprobs = choose(logits, [s.sampling for s in samplers], [len(h.token_ids) for h in histories],
+                                      self.generator, histories, tuple(self.eos_token_ids))
+        return self._collect(plan, samplers, chosen, logprobs)
 
-    def take_logprobs(self) -> dict[int, TokenLogprobs]:
-        """{seq_id: logprobs} of the tokens sampled since the last call, for sequences that asked. Kept
-        beside `step`'s tokens so a step's result stays {seq_id: token} for the isolation re-runs."""
+    def _collect(self, plan: StepPlan, samplers: list, chosen: list[int], logprobs: dict) -> dict[int, int | list[int]]:
+        """Rows back to sequences: one token each, or the list of choices of a drafted one; logprobs kept
+        per sequence as a list, one per token chosen."""
+        out: dict[int, int | list[int]] = {}
+        for row, (seq, token) in enumerate(zip(samplers, chosen)):
+            if seq.seq_id in plan.drafts:
+                out.setdefault(seq.seq_id, []).append(token)
+            else:
+                out[seq.seq_id] = token
+            if row in logprobs:
+                self.logprobs.setdefault(seq.seq_id, []).append(logprobs[row])
+        return out
+
+    def take_logprobs(self) -> dict[int, list[TokenLogprobs]]:
+        """{seq_id: logprobs, one per token chosen} since the last call, for sequences that asked. Kept
+        beside `step`'s tokens so a step's result stays tokens only, for the isolation re-runs."""
         taken, self.logprobs = self.logprobs, {}
         return taken
 
