@@ -31,8 +31,8 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     execution measurement yet: dispatch now, so nothing waits in vain and the model is measured first.
   * The front end (the one event loop doing every request's gRPC decode and encode) is seen through
     one number the runner hands in: the loop's busy share B (server/loop_load.py). At B >= 0.85 the
-    loop is the bottleneck, and two things change, while the instance has slack (at load >= 1/2 the
-    instance rule above applies whatever B is). Requests waiting for the loop are invisible here, so
+    loop is the bottleneck, and three things change (the load test above still comes first: an
+    instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B). Requests waiting for the loop are invisible here, so
     C undercounts the clients: at least a quarter more rows (rounded down, so fewer than four
     queued rows rely on C alone and a lone client is never held) are expected whatever C says.
     The cap of four executions is lifted: waiting frees loop time
