@@ -32,15 +32,15 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
   * The front end (the one event loop doing every request's gRPC decode and encode) is seen through
     one number the runner hands in: the loop's busy share B (server/loop_load.py). At B >= 0.85 the
     loop is the bottleneck, and three things change (the load test above still comes first: an
-    instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B). Requests waiting for the loop are invisible here, so
-    C undercounts the clients: at least a quarter more rows (rounded down, so fewer than four
-    queued rows rely on C alone and a lone client is never held) are expected whatever C says.
-    The cap of four executions is lifted: waiting frees loop time
-    (one dispatch, executor hop and wake-up for many rows) and costs no instance time. What ends
-    such a window: the budget, or a silence of two mean gaps (the loop paces the arrivals, so a
-    short silence means everyone is here; waiting longer would idle the loop itself). B < 0.85, or
-    no measurement (a loop that cannot be measured): the rules above, unchanged, so a lone client
-    or a quiet server still gets its batch at once.
+    instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B).
+    Requests waiting for the loop are invisible here, so C undercounts the clients: at least a
+    quarter more rows (rounded down, so fewer than four queued rows rely on C alone and a lone
+    client is never held) are expected whatever C says. The cap of four executions is lifted:
+    waiting frees loop time (one dispatch, executor hop and wake-up for many rows) and costs no
+    instance time. What ends such a window: the budget, or a silence of two mean gaps (the loop
+    paces the arrivals, so a short silence means everyone is here; waiting longer would idle the
+    loop itself). B < 0.85, or no measurement (a loop that cannot be measured): the rules above,
+    unchanged, so a lone client or a quiet server still gets its batch at once.
 A full batch always leaves at once (the batcher's rule). exec() is an exponentially weighted mean per
 executed batch size of what the batch cost its instance (assembly plus the run on its thread; not the
 wall time until the loop took the answer, which on a busy loop adds the loop's lag and made a light
