@@ -14,6 +14,7 @@ from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
 from server.exposition import MetricsServer
 from server.generation_metrics import GenerationFamilies
+from server.loop_load import LoopLoad
 from server.metrics import FrontDoorRequests, Histograms, StatsCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
@@ -78,10 +79,12 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
     server_budget, model_bytes = byte_budgets(config)
-    factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes)
+    loop_load = LoopLoad(asyncio.get_running_loop())  # the front end's load, for adaptive windows and /metrics
+    factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes,
+                            loop_load=loop_load)
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
     factory.models.bind(registry.get)  # ensembles find their step models at call time
-    prom.register(StatsCollector(registry.stats, lambda: server_budget.held))
+    prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
     refused = CONTROL_REFUSED if config.model_control_mode in ("none", "poll") else ""
@@ -141,4 +144,5 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
         await web.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
     if config.metrics_port is not None:
         http.shutdown()
+    loop_load.close()
     print("ferry: stopped", flush=True)

@@ -193,9 +193,11 @@ FAILURE_REASONS = ("REJECTED", "BACKEND", "CANCELED", "OTHER")
 class StatsCollector(Collector):
     """Renders every ModelStats on each scrape, and the server's own byte budget."""
 
-    def __init__(self, stats: Callable[[], Iterable[ModelStats]], server_queued_bytes: Callable[[], int] | None = None):
+    def __init__(self, stats: Callable[[], Iterable[ModelStats]], server_queued_bytes: Callable[[], int] | None = None,
+                 loop_busy: Callable[[], float | None] | None = None):
         self._stats = stats
         self._server_queued_bytes = server_queued_bytes
+        self._loop_busy = loop_busy
 
     def collect(self):
         snapshots = [(s, s.snapshot()) for s in self._stats()]
@@ -215,6 +217,12 @@ class StatsCollector(Collector):
             held = Metric("ferry_server_queued_bytes", "Input data held by admitted requests, all models", "gauge")
             held.add_sample("ferry_server_queued_bytes", {}, self._server_queued_bytes())
             yield held
+        busy = self._loop_busy() if self._loop_busy is not None else None
+        if busy is not None:
+            ratio = Metric("ferry_frontend_loop_busy_ratio", "Share of recent time the front end's event loop was busy "
+                           "running callbacks (1: it is the bottleneck; adaptive windows then form larger batches)", "gauge")
+            ratio.add_sample("ferry_frontend_loop_busy_ratio", {}, busy)
+            yield ratio
 
 
 def _bucket_families(snapshots: list[tuple[ModelStats, dict]]):

@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
+from server.loop_load import LoopLoad
 from server.metrics import ModelStats
 from server.request import Batch, InferRequest
 from server.runners.base import INFER, RunnerBase
@@ -32,9 +33,10 @@ class ModelRunner(RunnerBase):
     serves = INFER
 
     def __init__(self, name: str, version: int, scheduler: Scheduler, workers: list[Worker], stats: ModelStats,
-                 preserve_ordering: bool = False, budget: ByteBudget | None = None):
+                 preserve_ordering: bool = False, budget: ByteBudget | None = None, loop_load: LoopLoad | None = None):
         super().__init__(name, version, stats, budget)
         self.scheduler = scheduler
+        self._loop_load = loop_load  # the front end's busy share, handed to the scheduler at every cut
         self.workers = workers
         self._order = ResponseOrder() if preserve_ordering else None
         self._idle = list(workers)
@@ -105,6 +107,8 @@ class ModelRunner(RunnerBase):
     def _feed(self, now: int) -> None:
         """Expire what is overdue, then give every idle instance a batch the scheduler is ready to cut."""
         self._expire(now)
+        if self._loop_load is not None:
+            self.scheduler.observe_frontend(self._loop_load.busy_ratio)
         # Draining: nobody else is coming, so every batching window counts as closed.
         cut_at = now if self._accepting else _FAR_FUTURE_NS
         while self._idle:
@@ -127,12 +131,11 @@ class ModelRunner(RunnerBase):
             self.stats.record_queued(now - request.enqueue_ns)
             if request.expired(now):  # DELAY policy: it runs, but late
                 self.stats.record_deadline_miss()
-        started = time.monotonic_ns()
-        task = asyncio.get_running_loop().create_task(self._run(worker, batch, worker.start(batch), started))
+        task = asyncio.get_running_loop().create_task(self._run(worker, batch, worker.start(batch)))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
 
-    async def _run(self, worker: Worker, batch: Batch, running: asyncio.Future[BatchResult], started: int) -> None:
+    async def _run(self, worker: Worker, batch: Batch, running: asyncio.Future[BatchResult]) -> None:
         """Answer a dispatched batch; a failing one is split until its failing requests run alone
         (runners/isolation.py), on this instance, before the instance takes another batch."""
         parts = iter([running])
@@ -145,9 +148,8 @@ class ModelRunner(RunnerBase):
             outcome = await run_isolated(run, batch, self._unexpected)
         finally:
             done = time.monotonic_ns()
-            clean = outcome is not None and not outcome.failed and not outcome.reruns
             try:
-                self.scheduler.complete(batch, done - started if clean else None, done)
+                self.scheduler.complete(batch, _instance_ns(outcome), done)
             except Exception:  # the instance and the answers must not be lost with it
                 log.exception("model '%s': the scheduler failed to take back a batch", self.name)
             self._release(worker, done)
@@ -198,6 +200,17 @@ class ModelRunner(RunnerBase):
         self._cut_off = True  # set before anything else runs: the loop may only be cancelling yet
         for worker in self.workers:
             await asyncio.to_thread(worker.close)
+
+
+def _instance_ns(outcome) -> int | None:
+    """What the batch cost its instance: assembly plus the run on its thread. Not the wall time until the
+    loop took the answer back: on a busy loop that adds the loop's own lag, which would make a light
+    model look compute bound (and the adaptive window then stops waiting just when waiting pays).
+    None when it failed or was split: no clean measurement."""
+    if outcome is None or outcome.failed or outcome.reruns:
+        return None
+    result = outcome.answered[0][1]
+    return result.input_ns + result.infer_ns + result.output_ns
 
 
 def _sooner(deadline_ns: int | None, timer_ns: int | None) -> bool:

@@ -14,6 +14,7 @@ from protos import model_config_pb2 as mc
 from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
 from server.generation_metrics import GenerationFamilies, GenerationStats
+from server.loop_load import LoopLoad
 from server.metrics import Histograms, ModelStats
 from server.repository.ensemble_config import step_order
 from server.runners.base import Runner
@@ -49,6 +50,7 @@ class RunnerFactory:
     server_budget: ByteBudget = field(default_factory=lambda: ByteBudget(0, "the server"))
     max_model_queued_bytes: int = 0  # per version, within the server's budget (0: only the server's)
     models: LateLookup = field(default_factory=LateLookup)  # the registry's lookup, for ensemble steps
+    loop_load: LoopLoad | None = None  # the event loop's busy share, which adaptive windows take into account
 
     def __call__(self, name: str, entry: LoadedVersion) -> Runner:
         """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
@@ -62,10 +64,11 @@ class RunnerFactory:
         if entry.config.model_transaction_policy.decoupled:
             return decoupled_runner(name, entry, stats, budget)
         if entry.config.HasField("sequence_batching"):
-            return sequence_runner(name, entry, stats, budget, self.max_queued)
+            return sequence_runner(name, entry, stats, budget, self.max_queued, self.loop_load)
         workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
-                           preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget)
+                           preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget,
+                           loop_load=self.loop_load)
 
 
 def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUESTS) -> Scheduler:
@@ -77,7 +80,7 @@ def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUEST
 
 
 def sequence_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget,
-                    max_queued: int) -> SequenceRunner:
+                    max_queued: int, loop_load: LoopLoad | None = None) -> SequenceRunner:
     """A batching runner over the model's instances (which see controls and state), behind the sequence runner."""
     config, sb = entry.config, entry.config.sequence_batching
     extra = SequenceInputs.from_config(config, f"model '{name}'")
@@ -91,7 +94,8 @@ def sequence_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: 
         capacity = sb.oldest.max_candidate_sequences
     else:  # direct: one slot per batch row of every instance
         capacity = max(config.max_batch_size, 1) * len(workers)
-    inner = ModelRunner(name, entry.version, build_scheduler(batching, max_queued), workers, stats, budget=budget)
+    inner = ModelRunner(name, entry.version, build_scheduler(batching, max_queued), workers, stats, budget=budget,
+                        loop_load=loop_load)
     return SequenceRunner(inner, extra, SequenceSlots(capacity, sb.max_sequence_idle_microseconds * 1000))
 
 

@@ -29,8 +29,22 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
   * Never wait past  t0 + 0.8 * target - exec(n + e): the oldest request must still meet the target
     (20% of it is left for transport and jitter). Sparse traffic (r * remaining budget < 1) or no
     execution measurement yet: dispatch now, so nothing waits in vain and the model is measured first.
+  * The front end (the one event loop doing every request's gRPC decode and encode) is seen through
+    one number the runner hands in: the loop's busy share B (server/loop_load.py). At B >= 0.85 the
+    loop is the bottleneck, and three things change (the load test above still comes first: an
+    instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B).
+    Requests waiting for the loop are invisible here, so C undercounts the clients: at least a
+    quarter more rows (rounded down, so fewer than four queued rows rely on C alone and a lone
+    client is never held) are expected whatever C says. The cap of four executions is lifted:
+    waiting frees loop time (one dispatch, executor hop and wake-up for many rows) and costs no
+    instance time. What ends such a window: the budget, or a silence of two mean gaps (the loop
+    paces the arrivals, so a short silence means everyone is here; waiting longer would idle the
+    loop itself). B < 0.85, or no measurement (a loop that cannot be measured): the rules above,
+    unchanged, so a lone client or a quiet server still gets its batch at once.
 A full batch always leaves at once (the batcher's rule). exec() is an exponentially weighted mean per
-executed batch size, interpolated between sizes seen and scaled linearly beyond them.
+executed batch size of what the batch cost its instance (assembly plus the run on its thread; not the
+wall time until the loop took the answer, which on a busy loop adds the loop's lag and made a light
+model look compute bound), interpolated between sizes seen and scaled linearly beyond them.
 """
 
 from __future__ import annotations
@@ -47,6 +61,8 @@ _MIN_GAIN = 1.1  # a bottleneck instance waits only for at least this much more 
 _MIN_GROWTH = 0.25  # with slack, wait only if the batch would grow by at least a quarter
 _PEAK_HALF_LIFE_NS = 100_000_000  # how fast the apparent concurrency forgets an old peak
 _WAIT_EXEC_RATIO = 4.0  # never wait longer than this many executions of the grown batch
+_FRONTEND_BUSY = 0.85  # event loop busy share from which the front end counts as the bottleneck
+_FRONTEND_PAUSE_GAPS = 2.0  # ... while the front end is the bottleneck and paces the arrivals
 _PAUSE_GAPS = 8.0  # no arrival for this many mean gaps: the stream paused (a Poisson gap that long: 1 in 3000)
 
 
@@ -61,6 +77,9 @@ class FixedWindow:
         pass
 
     def on_batch(self, rows: int, exec_ns: int) -> None:
+        pass
+
+    def on_frontend(self, busy_ratio: float | None) -> None:
         pass
 
     @property
@@ -112,6 +131,7 @@ class AdaptiveWindow:
         self._last_arrival_ns: int | None = None
         self.concurrency = 0.0  # apparent concurrency: recent peak of requests in the system
         self.current_ns = 0  # the last window chosen, for the metrics page
+        self.frontend_busy: float | None = None  # the front end's event loop: share of time busy (None: unknown)
 
     def on_arrival(self, now_ns: int, in_system: int) -> None:
         decay = 1.0
@@ -135,6 +155,9 @@ class AdaptiveWindow:
     def on_batch(self, rows: int, exec_ns: int) -> None:
         self.exec.observe(rows, exec_ns)
 
+    def on_frontend(self, busy_ratio: float | None) -> None:
+        self.frontend_busy = busy_ratio
+
     def rate_per_ns(self, now_ns: int) -> float:
         if self._gap_ns is None:
             return 0.0
@@ -144,16 +167,24 @@ class AdaptiveWindow:
 
     def close_ns(self, head_enqueue_ns: int, rows: int, now_ns: int, in_system: int) -> int:
         close = now_ns
-        expected = min(self.concurrency - in_system, self.max_batch_size - rows)
+        frontend_bound = self.frontend_busy is not None and self.frontend_busy >= _FRONTEND_BUSY
+        expected = self.concurrency - in_system
+        if frontend_bound:  # clients queued in the front end are invisible here: expect at least some growth
+            expected = max(expected, rows // 4)
+        expected = min(expected, self.max_batch_size - rows)
         rate = self.rate_per_ns(now_ns)
-        paused = self._gap_ns is not None and now_ns - self._last_arrival_ns > _PAUSE_GAPS * self._gap_ns
+        # With the loop busy, arrivals are paced by it: a short silence means everyone is already here.
+        pause_gaps = _FRONTEND_PAUSE_GAPS if frontend_bound else _PAUSE_GAPS
+        paused = self._gap_ns is not None and now_ns - self._last_arrival_ns > pause_gaps * self._gap_ns
         if expected >= 1 and rate > 0 and not paused and self.exec.known and self._worth_waiting(rows, expected, rate):
             exec_grown = self.exec.estimate(rows + expected)
             latest_start = head_enqueue_ns + self.target_ns * _TARGET_SHARE - exec_grown
             if rate * (latest_start - now_ns) >= 1:
-                # Waiting much longer than the grown batch takes to run rarely pays: if the expected
-                # rows are that slow, the expectation is probably wrong.
-                close = int(min(latest_start, now_ns + expected / rate, now_ns + _WAIT_EXEC_RATIO * exec_grown))
+                close = int(min(latest_start, now_ns + expected / rate))
+                if not frontend_bound:
+                    # Waiting much longer than the grown batch takes to run rarely pays: if the expected
+                    # rows are that slow, the expectation is probably wrong.
+                    close = int(min(close, now_ns + _WAIT_EXEC_RATIO * exec_grown))
         self.current_ns = max(0, close - head_enqueue_ns)
         return max(close, now_ns)
 

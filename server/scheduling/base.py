@@ -48,6 +48,10 @@ class Scheduler(ABC):
     def complete(self, batch: Batch, exec_ns: int | None, now_ns: int) -> None:
         """A dispatched batch finished (exec_ns None: it failed); adaptive policies learn from it."""
 
+    def observe_frontend(self, busy_ratio: float | None) -> None:
+        """The share of time the front end's event loop is busy (None: unknown); a policy that can
+        trade latency for front-end work (the adaptive window) uses it, the others ignore it."""
+
     def gauges(self) -> Gauges:
         """The policy's state for the metrics page; a policy with more to show extends the record."""
         return Gauges(pending=len(self))

@@ -50,6 +50,9 @@ class DynamicBatcher(Scheduler):
         if exec_ns is not None:
             self.window.on_batch(batch.size, exec_ns)
 
+    def observe_frontend(self, busy_ratio: float | None) -> None:
+        self.window.on_frontend(busy_ratio)
+
     @property
     def _in_system(self) -> int:
         return len(self.queue) + self._executing

@@ -120,3 +120,71 @@ def test_sustained_rate_is_the_true_mean_of_clumped_arrivals():
         now += 40 * MS - 30 * US
     true_rate = 32 / (31 * 30 * US + 40 * MS)
     assert abs(w._sustained_rate() / true_rate - 1) < 0.1
+
+
+def saturated(busy: float | None, clients_seen: int, waiting: int, target_ms: float = 50, gap_ns: int = 400 * US):
+    """A light model (1 ms for 1 row, 1.2 ms for 32) at 2,500 req/s; the recent peak of requests in the
+    scheduler was `clients_seen` (the rest of the clients wait for the event loop, unseen here)."""
+    w = AdaptiveWindow(int(target_ms * MS), 128)
+    w.on_batch(1, MS)
+    w.on_batch(32, int(1.2 * MS))
+    now = 0
+    for i in range(200):
+        w.on_arrival(now, in_system=min(clients_seen, i % clients_seen + 1))
+        now += gap_ns
+    now -= gap_ns
+    w.on_frontend(busy)
+    return w, now
+
+
+def test_busy_front_end_waits_for_more_rows_than_the_scheduler_sees():
+    # 16 queued, and 16 was the peak seen: without the loop's signal nobody else is expected
+    w, now = saturated(busy=0.3, clients_seen=16, waiting=16)
+    assert w.close_ns(now, 16, now, in_system=16) == now
+    w.on_frontend(None)  # an unmeasured loop: the same
+    assert w.close_ns(now, 16, now, in_system=16) == now
+    w.on_frontend(0.95)  # the loop is the bottleneck: clients are queued in front of it, wait for them
+    assert w.close_ns(now, 16, now, in_system=16) > now
+
+
+def test_busy_front_end_waits_longer_than_four_executions():
+    idle, now = saturated(busy=0.3, clients_seen=64, waiting=8)
+    busy, _ = saturated(busy=0.95, clients_seen=64, waiting=8)
+    exec_grown = idle.exec.estimate(64)
+    assert 0 < idle.close_ns(now, 8, now, in_system=8) - now <= 4 * exec_grown
+    assert busy.close_ns(now, 8, now, in_system=8) - now > 4 * exec_grown
+
+
+def test_busy_front_end_never_waits_past_the_target():
+    w, now = saturated(busy=1.0, clients_seen=64, waiting=8, target_ms=20)
+    head = now - 10 * MS  # the oldest has waited 10 ms of its 20
+    close = w.close_ns(head, 8, now, in_system=8)
+    assert now <= close <= head + 0.8 * 20 * MS - w.exec.estimate(8)
+    late = now + 7 * MS  # past the last useful start: no more waiting
+    assert w.close_ns(head, 8, late, in_system=8) == late
+
+
+def test_busy_front_end_still_answers_a_lone_client_at_once():
+    w, now = saturated(busy=1.0, clients_seen=1, waiting=1, gap_ns=2 * MS)
+    assert w.close_ns(now, 1, now, in_system=1) == now  # a quarter of one row is no row: nobody to wait for
+
+
+def test_busy_front_end_ends_the_window_after_a_short_silence():
+    w, now = saturated(busy=0.95, clients_seen=64, waiting=32)
+    assert w.close_ns(now, 32, now + 500 * US, in_system=32) > now + 500 * US  # about one gap: keep waiting
+    later = now + 1_000 * US  # two and a half mean gaps without an arrival, the loop pacing them: all are here
+    assert w.close_ns(now, 32, later, in_system=32) == later
+
+
+def test_busy_front_end_does_not_idle_a_compute_bound_instance():
+    # the instance is the bottleneck (1.25 ms per row, 0.6 rows per ms): the loop's load changes nothing
+    w = AdaptiveWindow(500 * MS, 32)
+    w.on_batch(1, int(1.25 * MS))
+    w.on_batch(32, 40 * MS)
+    now = 0
+    for i in range(50):
+        w.on_arrival(now, in_system=min(64, i + 1))
+        now += 1_667 * US
+    now -= 1_667 * US
+    w.on_frontend(1.0)
+    assert w.close_ns(now, 16, now, in_system=16) == now

@@ -218,3 +218,35 @@ def test_batches_are_assembled_on_the_event_loop(monkeypatch):
     answers = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert [float(a["y"][0, 0]) for a in answers] == [0.0, 1.0, 2.0]
     assert len(threads) == 2 and set(threads) == {threading.get_ident()}  # asyncio.run's loop runs here
+
+
+def test_the_loops_busy_share_reaches_the_adaptive_window():
+    """The runner hands the measured front-end load to its scheduler at every cut (wiring, not timing:
+    the value is whatever the loop measured, and the window must hold that very value)."""
+    from server.loop_load import LoopLoad
+
+    HeldEcho.reset()
+    HeldEcho.gate.set()
+
+    async def scenario():
+        load = LoopLoad(asyncio.get_running_loop(), interval_s=0.01)
+        config = mc.ModelConfig(name="m", max_batch_size=4)
+        config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[1])
+        config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[1])
+        worker = Worker(HeldEcho(config, None, Device("cpu")), Signature.from_config(config), "held")
+        scheduler = DynamicBatcher(BatchingSettings(4, latency_target_ns=50_000_000), RequestQueue([QueuePolicy()]))
+        r = ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None), loop_load=load)
+        r.start()
+        for _ in range(3000):  # up to 30 s for the first few measured intervals
+            if load.intervals >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await r.infer(request(1))
+        seen = scheduler.window.frontend_busy
+        await r.close(grace_s=10)
+        load.close()
+        return load.intervals, seen
+
+    intervals, seen = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert intervals >= 3
+    assert seen is not None and 0.0 <= seen <= 1.0
