@@ -163,7 +163,7 @@ async def _drain(config: ServerConfig, doors: _Doors, registry: Registry, watche
         await watcher.stop()
     await registry.close(config.drain_grace_s)  # whatever is cut off is answered UNAVAILABLE by the runners
     if doors.frontends is not None:
-        await doors.frontends.stop(config.drain_grace_s - (loop.time() - began) + QUIET_S + 5.0)
+        await doors.frontends.stop(max(QUIET_S, config.drain_grace_s - (loop.time() - began)))
     # Every admitted request has its answer now. Wait (within the grace) for callers to move away, then
     # stop gRPC; calls still open (a stream its client keeps open) get at least a second more.
     if not await doors.gate.quiet(QUIET_S, config.drain_grace_s - (loop.time() - began)):

@@ -63,6 +63,11 @@ class EngineDoor:
             return None
         return path
 
+    def stop_frontends(self, grace_s: float) -> None:
+        """Drain is over: every front end waits for its callers to leave (within `grace_s`), then exits."""
+        for link in self.links:
+            link.frames.send((m.STOP, grace_s))
+
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()

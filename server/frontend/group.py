@@ -51,10 +51,13 @@ class FrontendGroup:
         await self.frontends.start()
 
     def drain(self) -> None:
+        """Every front end refuses new calls from now on (its probes still relayed)."""
         self.frontends.drain()
 
-    async def stop(self, timeout_s: float) -> None:
-        await self.frontends.wait_stopped(timeout_s)
+    async def stop(self, grace_s: float) -> None:
+        """Admitted work is answered: front ends wait for callers to leave within `grace_s`, stop, and exit."""
+        self.door.stop_frontends(grace_s)
+        await self.frontends.wait_stopped(grace_s + 10.0)
         await self.door.stop()
         self._reserved.close()
         shutil.rmtree(self.folder, ignore_errors=True)

@@ -35,14 +35,14 @@ _SHM_KEYS = (shared_memory.REGION, shared_memory.OFFSET, shared_memory.BYTE_SIZE
 class EngineLink:
     """The front end's end of the link: calls in flight and the request half of the arena."""
 
-    def __init__(self, arena: Arena | None, on_lost):
+    def __init__(self, arena: Arena | None, on_lost, on_stop):
         self.arena = arena
         self.requests = Allocator(0, arena.half) if arena is not None else None
         self.frames = FrameLink(self._frame, self._lost)
         self.pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._freed: list[int] = []
-        self._on_lost = on_lost
+        self._on_lost, self._on_stop = on_lost, on_stop
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -68,6 +68,9 @@ class EngineLink:
         if kind == m.FREE:
             for offset in frame[1]:
                 self.requests.free(offset)
+            return
+        if kind == m.STOP:
+            self._on_stop(frame[1])
             return
         future = self.pending.pop(frame[1], None)
         if future is not None and not future.done():

@@ -11,8 +11,8 @@ from typing import Any, NamedTuple
 
 # Frame kinds. Front end -> engine: HELLO(index, pid), INFER(InferCall), CANCEL(rid), FREE(offsets in the
 # answer half). Engine -> front end: DONE(rid, version, [Tensor]), ERROR(rid, status name, message),
-# FREE(offsets in the request half whose last numpy view is gone).
-HELLO, INFER, CANCEL, FREE, DONE, ERROR = "hello", "infer", "cancel", "free", "done", "error"
+# FREE(offsets in the request half whose last numpy view is gone), STOP(grace_s: drain is over, stop serving).
+HELLO, INFER, CANCEL, FREE, DONE, ERROR, STOP = "hello", "infer", "cancel", "free", "done", "error", "stop"
 
 
 class Tensor(NamedTuple):

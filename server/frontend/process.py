@@ -3,10 +3,12 @@
 It serves the public gRPC port beside its siblings (SO_REUSEPORT: the kernel spreads connections over
 them), applies the same TLS, message limits, tokens and drain gate as the one-process server, answers
 ModelInfer through the arena link (infer.py) and relays everything else to the engine (proxy.py).
-SIGTERM (sent by the engine when it drains) closes the gate at once; the process then waits for the
-engine to answer what it admitted and for callers to leave, and exits 0. SIGINT is ignored: a
-terminal's Ctrl-C reaches the whole process group, and the engine orders the shutdown. If the engine
-goes away, the process exits 1 (its calls are answered UNAVAILABLE).
+Drain is the engine's to order, so the port answers exactly as one process does: SIGTERM (sent when
+the engine starts draining) closes the gate at once (new calls UNAVAILABLE, probes still relayed);
+the STOP frame (sent once the engine has answered or cut off everything admitted) starts the same
+ending as app.py's: wait for callers to leave, stop gRPC, exit 0. SIGINT is ignored: a terminal's
+Ctrl-C reaches the whole process group, and the engine orders the shutdown. If the engine goes away,
+the process exits 1 (its calls are answered UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -55,9 +57,14 @@ def _bind(server: grpc.aio.Server, spec: dict) -> int:
 
 async def serve(spec: dict) -> int:
     loop = asyncio.get_running_loop()
-    engine_lost = asyncio.Event()
+    engine_lost, stop, grace = asyncio.Event(), asyncio.Event(), [spec["drain_grace_s"]]
+
+    def on_stop(grace_s: float) -> None:
+        grace[0] = grace_s
+        stop.set()
+
     arena = Arena(Path(spec["arena"]), spec["arena_bytes"], create=False) if spec["arena"] else None
-    link = EngineLink(arena, engine_lost.set)
+    link = EngineLink(arena, engine_lost.set, on_stop)
     await loop.create_unix_connection(lambda: link.frames, spec["door"])
     unlimited = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     channel = grpc.aio.insecure_channel(f"unix:{spec['engine']}", options=unlimited)
@@ -75,8 +82,7 @@ async def serve(spec: dict) -> int:
         return 1
     await server.start()
     link.frames.send(("hello", spec["index"], os.getpid()))
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGTERM, gate.close)
     loop.add_signal_handler(signal.SIGINT, lambda: None)
     done, _ = await asyncio.wait([loop.create_task(stop.wait()), loop.create_task(engine_lost.wait())],
                                  return_when=asyncio.FIRST_COMPLETED)
@@ -84,16 +90,16 @@ async def serve(spec: dict) -> int:
         log.error("front end %d: the engine process went away; exiting", spec["index"])
         await server.stop(0)
         return 1
-    await _drain(server, gate, spec["drain_grace_s"])
+    await _drain(server, gate, grace[0])
     await channel.close()
     link.frames.close()
     return 0
 
 
 async def _drain(server: grpc.aio.Server, gate: DrainGate, grace_s: float) -> None:
-    """As app.run's drain: refuse new calls at once, let the engine answer admitted ones, stop when quiet."""
+    """As app.py's drain once admitted work is answered: wait for callers to leave, then stop gRPC."""
     began = asyncio.get_running_loop().time()
-    gate.close()
+    gate.close()  # already closed by SIGTERM, unless the engine stopped us without one
     await gate.quiet(QUIET_S, grace_s)
     await server.stop(max(1.0, grace_s - (asyncio.get_running_loop().time() - began)))
 

@@ -3,7 +3,7 @@
 Metadata (bearer tokens included), the remaining deadline, cancellation, the status code, its message
 and the trailing metadata all cross unchanged, so metadata, statistics, repository control, health,
 streams, generation and shared memory registration behave exactly as in one process: the engine
-answers them. Bodies are never parsed here. Unknown methods get gRPC's own UNIMPLEMENTED, as there.
+answers them. Bodies are never parsed here.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ import contextlib
 
 import grpc
 from google.protobuf import descriptor_pool
+from grpc_health.v1 import health_pb2  # noqa: F401 - puts the services in the default pool, for _kind
+from grpc_reflection.v1alpha import reflection_pb2  # noqa: F401
+
+from protos import generate_pb2, grpc_service_pb2  # noqa: F401
 
 # Set by the caller in the front end's own metadata; forwarding them would duplicate or contradict it.
 _NOT_FORWARDED = ("user-agent", "grpc-")
@@ -40,10 +44,9 @@ class Relay(grpc.GenericRpcHandler):
     def service(self, details: grpc.HandlerCallDetails):
         if details.method in self.skip:
             return None
-        kind = _kind(details.method)
-        if kind is None:
-            return None
-        return _HANDLERS[kind](self, details.method)
+        # A method of a service the pool does not know is relayed as a stream both ways (the wire format of
+        # every kind): the engine answers it, UNIMPLEMENTED included, exactly as it would directly.
+        return _HANDLERS[_kind(details.method) or (True, True)](self, details.method)
 
     async def unary(self, method: str, raw: bytes, context):
         call = self.channel.unary_unary(method)(raw, metadata=_metadata(context), timeout=context.time_remaining())

@@ -77,7 +77,7 @@ class Frontends:
         if not hello.done():
             exited.cancel()
             code = process.proc.returncode
-            raise RuntimeError(f"front end process {index} " + (f"exited with code {code} while starting"
+            raise RuntimeError(f"front end process {index + 1} " + (f"exited with code {code} while starting"
                                                                 if code is not None else "never connected to the engine"))
         exited.cancel()
         print(f"ferry: front end {index + 1} of {self.count} serving (pid {hello.result()})", flush=True)
@@ -91,11 +91,11 @@ class Frontends:
         self._deaths = [t for t in self._deaths if now - t < RESTART_WINDOW_S] + [now]
         if len(self._deaths) > MAX_RESTARTS:
             log.critical("front end process %d (pid %d) exited with code %s: %d front-end deaths within %.0fs; "
-                         "stopping the server", process.index, process.proc.pid, code, len(self._deaths), RESTART_WINDOW_S)
+                         "stopping the server", process.index + 1, process.proc.pid, code, len(self._deaths), RESTART_WINDOW_S)
             self.failed = True
             self._on_failed()
             return
-        log.error("front end process %d (pid %d) exited with code %s; restarting it", process.index, process.proc.pid, code)
+        log.error("front end process %d (pid %d) exited with code %s; restarting it", process.index + 1, process.proc.pid, code)
         try:
             await self._spawn(process.index)
             await self._connected(process.index)
