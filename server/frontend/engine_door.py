@@ -115,6 +115,8 @@ class _Link:
 
     def _lost(self, exc) -> None:
         self.door.links.discard(self)
+        if self.answers is not None and self.answers.used and not self.tasks:
+            log.warning("a front end left with %d bytes of the arena's answer half still held", self.answers.used)
         for task in self.tasks.values():  # the front end is gone: nobody waits for these answers
             task.cancel()
 

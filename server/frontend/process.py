@@ -91,6 +91,9 @@ async def serve(spec: dict) -> int:
         await server.stop(0)
         return 1
     await _drain(server, gate, grace[0])
+    if link.requests is not None and link.requests.used:  # every answered call's blocks should be back by now
+        log.warning("front end %d: %d bytes of the arena's request half still held at stop", spec["index"] + 1,
+                    link.requests.used)
     await channel.close()
     link.frames.close()
     return 0

@@ -66,6 +66,7 @@ def servers(tmp_path_factory):
     finally:
         for server in started:
             assert server.stop() == 0, server.output
+            assert "still held" not in server.output, "arena blocks were never handed back"
 
 
 def _all_types(rows: int, cols: int) -> dict[str, np.ndarray]:
