@@ -11,6 +11,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -372,3 +373,25 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as f:
         return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl command makes the certificate")
+def test_front_ends_serve_tls_with_the_same_flags(tmp_path):
+    cert, key, name = tmp_path / "cert.pem", tmp_path / "key.pem", "ferry.test"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", f"/CN={name}",
+                    "-addext", f"subjectAltName=DNS:{name}"], check=True, capture_output=True)
+    repo = tmp_path / "repo"
+    builders.add_sub(repo / "simple" / "1" / "model.onnx")
+    server = RunningServer(repo, *FRONTENDS, "--tls-cert", str(cert), "--tls-key", str(key))
+    try:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+        with grpc.secure_channel(server.address, credentials, options=[("grpc.ssl_target_name_override", name)]) as channel:
+            stub = kserve.stub(channel)
+            assert stub.ServerReady(pb.ServerReadyRequest(), timeout=30).ready  # relayed
+            assert stub.ModelInfer(kserve.request("simple", {"INPUT0": A, "INPUT1": B}), timeout=30).outputs  # decoded here
+        with pytest.raises(grpc.RpcError) as err:  # plaintext is refused by every front end
+            kserve.stub(server.channel).ServerReady(pb.ServerReadyRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        assert server.stop() == 0, server.output
