@@ -182,7 +182,7 @@ class _Link:
         if array.dtype == object:  # BYTES elements are copies already
             self._free(tensor.offset)
         else:
-            weakref.finalize(_root(array), self._free, tensor.offset)
+            weakref.finalize(_root(array), self._free, tensor.offset).atexit = False  # no loop is left at exit
         return array
 
     def _free_blocks(self, sent: list[m.Tensor]) -> None:

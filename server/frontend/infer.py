@@ -49,6 +49,9 @@ class EngineLink:
 
     def call(self, call: m.InferCall) -> asyncio.Future:
         future = asyncio.get_running_loop().create_future()
+        if self.frames.closed:  # the engine is gone; this process is on its way out
+            future.set_result((m.ERROR, call.rid, "UNAVAILABLE", ENGINE_GONE))
+            return future
         self.pending[call.rid] = future
         self.frames.send((m.INFER, tuple(call)))
         return future
