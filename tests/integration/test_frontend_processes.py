@@ -110,6 +110,19 @@ def test_same_answers_as_one_process(servers):
         assert answers[1] == answers[0] and answers[2] == answers[0], request.model_name
 
 
+def test_concurrent_calls_each_get_their_own_answer(servers):
+    """Many calls in flight at once through the arena (and inline in the small one): no answer is another's,
+    no block is reused while its bytes are still being read."""
+    base = _all_types(4, 2)  # the other inputs small: only IN_FP64 (32 KiB) is large
+    for server in servers[1:]:
+        stub = kserve.stub(server.channel)
+        sent = [np.full((4, 1024), i, np.float64) + np.arange(1024) for i in range(120)]
+        calls = [stub.ModelInfer.future(kserve.request("types", {**base, "IN_FP64": x}, outputs=["OUT_FP64"]), timeout=120)
+                 for x in sent]
+        for x, call in zip(sent, calls):
+            assert np.array_equal(kserve.outputs(call.result())["OUT_FP64"], x)
+
+
 def _bad_requests() -> list:
     simple = {"INPUT0": A, "INPUT1": B}
     bad = []
