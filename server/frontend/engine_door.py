@@ -52,6 +52,9 @@ class EngineDoor:
     def new_arena(self, index: int, generation: int) -> Path | None:
         """A fresh arena for front end `index`'s next process; None (tensors go inline) if /dev/shm is full."""
         self.hello[index] = asyncio.get_running_loop().create_future()
+        previous = self.arenas.get(index)
+        if previous is not None:  # unlinked at its hello already, unless that process died before saying it
+            previous.unlink()
         self.arenas[index] = None
         if self.arena_bytes <= 0:
             return None
@@ -69,6 +72,9 @@ class EngineDoor:
             link.frames.send((m.STOP, grace_s))
 
     async def stop(self) -> None:
+        for arena in self.arenas.values():
+            if arena is not None:
+                arena.unlink()
         if self._server is not None:
             self._server.close()
         for link in list(self.links):
