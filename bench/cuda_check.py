@@ -15,6 +15,11 @@ Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script 
    cache, and the time of both runs;
 6. step isolation (runners/step_isolation.py): a step that raises on one sequence among 8 fails it
    alone in at most 2*ceil(log2 8) re-runs, the other 7 decode what they decode without it.
+7. front-end processes (bench/frontends.py's sweep, no CUDA needed but the device machine's cores): the
+   light MLP served with --frontend-processes 1, 2, 4, 8 (up to half the cores), closed loop at concurrency
+   128 from cores/4 load-generator processes, 2 interleaved rounds of 5 s: req/s and the ratio to N=1 for
+   each N, and the engine's loop busy fraction; FAIL if any request failed. On fewer than 8 cores it runs
+   N=1 and 2 only, labelled "few cores: direction only".
 Checks 5 and 6 run on the CPU with a tiny model where there is no CUDA, labelled "cpu dry run", so this
 machine exercises their code; 2-4 need CUDA and say SKIP. With --record the lines go to bench/RESULTS.md.
 """
@@ -226,6 +231,29 @@ def engine_checks(cuda: bool, tmp: Path) -> list[Outcome]:
     return results
 
 
+# ---------------------------------------------------------------- 7: front-end processes
+def check_frontends(tmp: Path) -> Outcome:
+    import os
+    import statistics
+
+    from bench import frontends
+
+    cores = os.cpu_count() or 1
+    counts = [n for n in (1, 2, 4, 8) if n == 1 or n <= max(2, cores // 2)]
+    label = "front-end processes" + ("" if cores >= 8 else " (few cores: direction only)")
+    args = argparse.Namespace(concurrency=128, clients=max(2, cores // 4), duration=5.0, rounds=2)
+    try:
+        runs = frontends.sweep(frontends.build(tmp / "frontends"), {f"N={n}": (n, None) for n in counts}, args)
+    except (RuntimeError, OSError) as exc:  # a server that did not start is this check's failure, not the script's
+        return Outcome(label, "FAIL", f"{type(exc).__name__}: {exc}")
+    base = statistics.median(p["rps"] for p in runs["N=1"])
+    errors = sum(p["errors"] for points in runs.values() for p in points)
+    figures = "; ".join(f"{name}: {statistics.median(p['rps'] for p in points):.0f} req/s "
+                        f"({statistics.median(p['rps'] for p in points) / base:.2f}x, engine loop "
+                        f"{statistics.median(p['engine busy'] for p in points):.0%})" for name, points in runs.items())
+    return Outcome(label, verdict(errors == 0), f"{cores} cores, {args.clients} client processes; {figures}; {errors} errors")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true")
@@ -242,6 +270,8 @@ def main() -> None:
         for outcome in engine_checks(cuda, Path(tmp)):
             outcomes.append(outcome)
             print(outcome.line(), flush=True)
+        outcomes.append(check_frontends(Path(tmp)))
+        print(outcomes[-1].line(), flush=True)
     if args.record:
         common.append_results("CUDA check (bench/cuda_check.py)", "\n".join(f"- {o.line()}" for o in outcomes))
     sys.exit(1 if any(o.status == "FAIL" for o in outcomes) else 0)

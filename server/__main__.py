@@ -53,6 +53,12 @@ def _serve_parser(sub) -> None:
                         "explicit (load only --load-model, load/unload RPCs allowed). Unset: load all, allow the RPCs")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="explicit mode: load this model at start (repeatable; '*' loads all)")
+    p.add_argument("--frontend-processes", type=int, default=1,
+                   help="processes that serve gRPC on the port (SO_REUSEPORT) and decode/encode ModelInfer, handing "
+                        "tensors to this process through shared memory; 1: this process serves gRPC itself")
+    p.add_argument("--frontend-arena-bytes", type=int, default=None,
+                   help="shared memory per front-end process for tensors in flight (default 64 MiB; beyond it "
+                        "tensors travel inline; 0: always inline)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -89,8 +95,10 @@ def main(argv: list[str] | None = None) -> None:
         server_name=args.server_name,
         model_control_mode=args.model_control_mode or "",
         load_models=frozenset(args.load_model),
+        frontend_processes=args.frontend_processes,
+        **({} if args.frontend_arena_bytes is None else {"frontend_arena_bytes": args.frontend_arena_bytes}),
     )
-    asyncio.run(run(config))
+    raise SystemExit(asyncio.run(run(config)))
 
 
 def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
@@ -104,6 +112,10 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
     for flag, value in (("--max-queued-bytes", args.max_queued_bytes), ("--max-model-queued-bytes", args.max_model_queued_bytes)):
         if value is not None and value < 0:
             parser.error(f"{flag} must be 0 (no limit) or a number of bytes, got {value}")
+    if args.frontend_processes < 1:
+        parser.error(f"--frontend-processes must be 1 or more, got {args.frontend_processes}")
+    if args.frontend_arena_bytes is not None and args.frontend_arena_bytes < 0:
+        parser.error(f"--frontend-arena-bytes must be 0 (always inline) or a number of bytes, got {args.frontend_arena_bytes}")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
 from server.exposition import MetricsServer
+from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
 from server.generation_metrics import GenerationFamilies
 from server.loop_load import LoopLoad
 from server.metrics import FrontDoorRequests, Histograms, StatsCollector
@@ -52,6 +53,8 @@ class ServerConfig:
     server_name: str = "ferry"  # ServerMetadata's name
     model_control_mode: str = ""  # Triton's none | poll | explicit; "": load all, load/unload allowed, poll if asked
     load_models: frozenset[str] | None = None  # explicit mode: the models loaded at start ('*': all)
+    frontend_processes: int = 1  # >= 2: that many processes serve gRPC on the port (server/frontend/)
+    frontend_arena_bytes: int = DEFAULT_ARENA_BYTES  # shared memory per front-end process for tensors
 
 
 @dataclass(slots=True)
@@ -73,8 +76,10 @@ def _limit(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes else "no limit"
 
 
-async def run(config: ServerConfig, started: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT/SIGTERM, then drain: refuse new work, finish admitted work, exit."""
+async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int:
+    """Serve until SIGINT/SIGTERM, then drain: refuse new work, finish admitted work, exit.
+
+    Returns the exit status: 1 when front-end processes kept dying and the server stopped itself."""
     health = ServerHealth()
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
@@ -89,15 +94,24 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
     refused = CONTROL_REFUSED if config.model_control_mode in ("none", "poll") else ""
     regions = SharedMemoryRegistry()  # system shared memory regions clients register; released at shutdown
-    rpc = RpcServer(config.rpc, [inference_service(InferenceServicer(registry, health, config.server_name, refused, regions)),
-                                 generation_service(GenerationServicer(registry))], interceptors)
+    stop = asyncio.Event()
+    group, rpc_options = None, config.rpc
+    if config.frontend_processes > 1:
+        group = FrontendGroup(config.frontend_processes, config.rpc, config.tokens, config.drain_grace_s,
+                              config.frontend_arena_bytes, registry, gate, stop.set)
+        rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
+    rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, config.server_name, refused, regions)),
+                                  generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
-    print(f"ferry: serving gRPC on {rpc.host}:{rpc.port}", flush=True)
+    if group is not None:
+        await group.start()
+    print(f"ferry: serving gRPC on {rpc.host}:{group.port if group else rpc.port}", flush=True)
     web = None
     if config.web is not None:
         web = WebServer(config.web, registry, health, gate, config.tokens, FrontDoorRequests(prom))
         await web.start()
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
+    http = None
     if config.metrics_port is not None:
         metrics_host = config.metrics_host or config.rpc.host
         http = MetricsServer(prom, metrics_host, config.metrics_port)
@@ -118,31 +132,50 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> Non
     if started is not None:
         started.set()
 
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
 
+    health.ready = False
+    await _drain(config, _Doors(gate, rpc, web, http, group), registry, watcher)
+    regions.close()  # no gRPC call is left to use them
+    loop_load.close()
+    print("ferry: stopped", flush=True)
+    return 1 if group is not None and group.failed else 0
+
+
+@dataclass(slots=True)
+class _Doors:
+    gate: DrainGate
+    rpc: RpcServer
+    web: WebServer | None
+    metrics: MetricsServer | None
+    frontends: FrontendGroup | None
+
+
+async def _drain(config: ServerConfig, doors: _Doors, registry: Registry, watcher: RepositoryWatcher | None) -> None:
+    """In order: every door refuses new calls (front-end processes first), admitted work is answered, doors stop."""
+    loop = asyncio.get_running_loop()
     log.info("draining: refusing new requests, finishing admitted ones (grace %.0fs)", config.drain_grace_s)
     began = loop.time()
-    health.ready = False
-    gate.close()  # new calls: UNAVAILABLE / 503 at once; both doors keep running so none of them is cut off
-    await rpc.set_serving(False)
+    doors.gate.close()  # new calls: UNAVAILABLE / 503 at once; both doors keep running so none of them is cut off
+    await doors.rpc.set_serving(False)
+    if doors.frontends is not None:
+        doors.frontends.drain()  # they shut their own gates now and exit once the engine has answered them
     if watcher is not None:
         await watcher.stop()
     await registry.close(config.drain_grace_s)  # whatever is cut off is answered UNAVAILABLE by the runners
+    if doors.frontends is not None:
+        await doors.frontends.stop(max(QUIET_S, config.drain_grace_s - (loop.time() - began)))
     # Every admitted request has its answer now. Wait (within the grace) for callers to move away, then
     # stop gRPC; calls still open (a stream its client keeps open) get at least a second more.
-    if not await gate.quiet(QUIET_S, config.drain_grace_s - (loop.time() - began)):
+    if not await doors.gate.quiet(QUIET_S, config.drain_grace_s - (loop.time() - began)):
         log.warning("draining: callers still arriving when the grace ran out; stopping gRPC cancels them")
     log.info("draining: admitted work answered, %d calls refused, callers gone after %.2fs; stopping gRPC",
-             gate.refused, loop.time() - began)
-    await rpc.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
-    regions.close()  # no gRPC call is left to use them
-    if web is not None:
-        await web.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
-    if config.metrics_port is not None:
-        http.shutdown()
-    loop_load.close()
-    print("ferry: stopped", flush=True)
+             doors.gate.refused, loop.time() - began)
+    await doors.rpc.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
+    if doors.web is not None:
+        await doors.web.stop(max(1.0, config.drain_grace_s - (loop.time() - began)))
+    if doors.metrics is not None:
+        doors.metrics.shutdown()

@@ -68,7 +68,7 @@ def add_service(servicer, service_name: str, server, bodies: MalformedBodies) ->
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
         response_cls = message_factory.GetMessageClass(method.output_type)
-        parse = _parser(request_cls, f"{service.full_name}/{method.name}", bodies)
+        parse = body_parser(request_cls, f"{service.full_name}/{method.name}", bodies)
         behavior = getattr(servicer, method.name)
         if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
             behavior = _unimplemented(method.name, method.server_streaming)  # generated base class stub
@@ -85,7 +85,7 @@ def add_service(servicer, service_name: str, server, bodies: MalformedBodies) ->
         server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def _parser(request_cls, method: str, bodies: MalformedBodies):
+def body_parser(request_cls, method: str, bodies: MalformedBodies):
     type_name = request_cls.DESCRIPTOR.full_name
 
     def parse(raw: bytes):

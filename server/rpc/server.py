@@ -30,6 +30,7 @@ class RpcOptions:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     tls_ca: Path | None = None  # set: mutual TLS, clients must present a certificate signed by it
+    unix_socket: Path | None = None  # set: serve only here, privately (front-end processes serve host:port)
 
 
 class RpcServer:
@@ -52,7 +53,9 @@ class RpcServer:
         self._served = [n for n in names if n not in (health.SERVICE_NAME, reflection.SERVICE_NAME)]
         reflection.enable_server_reflection(names, self.server)
         address = f"{options.host}:{options.port}"
-        if options.tls_cert and options.tls_key:
+        if options.unix_socket is not None:  # reached only by this server's own front-end processes
+            self.port = self.server.add_insecure_port(f"unix:{options.unix_socket}")
+        elif options.tls_cert and options.tls_key:
             ca = options.tls_ca.read_bytes() if options.tls_ca else None
             credentials = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())],
                                                       root_certificates=ca, require_client_auth=ca is not None)

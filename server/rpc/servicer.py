@@ -164,20 +164,30 @@ def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
 
 
 def _class_counts(request: pb.ModelInferRequest, signature) -> dict[str, int]:
-    """Requested outputs carrying the `classification` parameter -> k; checked at decode, before any work."""
+    return class_counts(((w.name, codec.decode_parameters(w.parameters))
+                         for w in request.outputs if "classification" in w.parameters), signature)
+
+
+def class_counts(wanted, signature) -> dict[str, int]:
+    """Requested outputs carrying the `classification` parameter -> k; checked at decode, before any work.
+
+    `wanted`: (output name, decoded parameters) of the outputs that carry it, in request order (lazily
+    decoded, so a bad parameter is refused in the same order whichever door read it)."""
     counts = {}
-    for wanted in request.outputs:
-        if "classification" in wanted.parameters:
-            counts[wanted.name] = classification.requested_k(
-                wanted.name, codec.decode_parameters(wanted.parameters)["classification"])
-            if signature.outputs[wanted.name].datatype.api == "BYTES":
-                raise InvalidInputError(f"output '{wanted.name}' is BYTES and cannot be classified")
+    for name, params in wanted:
+        counts[name] = classification.requested_k(name, params["classification"])
+        if signature.outputs[name].datatype.api == "BYTES":
+            raise InvalidInputError(f"output '{name}' is BYTES and cannot be classified")
     return counts
 
 
 def _classified(request: pb.ModelInferRequest, outputs: dict, signature) -> dict:
+    return classified(outputs, _class_counts(request, signature), signature)
+
+
+def classified(outputs: dict, counts: dict[str, int], signature) -> dict:
     """Outputs asked for with the `classification` parameter, replaced by their top-k classes."""
-    for name, k in _class_counts(request, signature).items():
+    for name, k in counts.items():
         outputs = {**outputs, name: classification.classify(
             name, outputs[name], k, signature.labels.get(name, ()), signature.batching)}
     return outputs
