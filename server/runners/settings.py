@@ -90,15 +90,17 @@ def generation_settings(g: mc.ModelGeneration, max_model_len: int, num_kv_blocks
     """`max_model_len`, `num_kv_blocks`, `eos_token_ids`: what the loaded engine found (they depend on
     the model's files and the device's memory, so only the backend knows them)."""
     defaults = ContinuousSettings()
+    batched = g.max_num_batched_tokens or defaults.max_num_batched_tokens
     continuous = ContinuousSettings(
         max_num_seqs=g.max_num_seqs or defaults.max_num_seqs,
-        max_num_batched_tokens=g.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        max_num_batched_tokens=batched,
         max_model_len=max_model_len,
         max_waiting=g.max_waiting or defaults.max_waiting,
         admit_margin_blocks=max(1, num_kv_blocks // ADMIT_MARGIN_PER_BLOCKS),
         eos_token_ids=frozenset(eos_token_ids),
         max_step_ms=g.max_step_ms,
-        min_prefill_tokens=g.min_prefill_tokens or defaults.min_prefill_tokens,
+        # the default yields to a smaller step; only a value the config sets can be refused
+        min_prefill_tokens=g.min_prefill_tokens or min(defaults.min_prefill_tokens, batched),
     )
     _check_step_target(continuous, source)
     caching = g.enable_prefix_caching if g.HasField("enable_prefix_caching") else GenerationSettings.enable_prefix_caching

@@ -45,6 +45,11 @@ def test_the_step_time_target_is_off_unless_set_and_reaches_the_scheduler():
     assert (on.max_step_ms, on.min_prefill_tokens) == (45.5, 8)
 
 
+def test_the_default_prefill_floor_yields_to_a_smaller_step():
+    small = generation_settings(mc.ModelGeneration(max_num_batched_tokens=12), 128, 50).continuous
+    assert (small.max_num_batched_tokens, small.min_prefill_tokens) == (12, 12)
+
+
 @pytest.mark.parametrize("fields, words", [
     ({"max_step_ms": -1}, "'generation.max_step_ms' must be a number of milliseconds >= 0"),
     ({"max_step_ms": float("nan")}, "'generation.max_step_ms' must be"),
