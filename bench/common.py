@@ -66,6 +66,19 @@ def model_counts(channel, model: str) -> tuple[int, int]:
     return stats.inference_count, stats.execution_count
 
 
+def model_totals(metrics_url: str, model: str, *names: str) -> tuple[float, ...]:
+    """Counters (`<name>_total`) of version 1 of `model` from a Prometheus page; 0 for one not yet there."""
+    import urllib.request
+
+    page = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+
+    def value(name: str) -> float:
+        found = re.search(rf'{name}_total\{{model="{model}",version="1"\}} (\S+)', page)
+        return float(found.group(1)) if found else 0.0
+
+    return tuple(value(name) for name in names)
+
+
 def machine() -> str:
     cpu = platform.processor() or "unknown CPU"
     try:

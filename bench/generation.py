@@ -330,13 +330,7 @@ async def chats_run(address: str, scripts, model: str, system: list[int] = ()) -
 
 
 def prompt_counters(metrics_url: str, model: str) -> tuple[float, float]:
-    page = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-
-    def value(name):
-        found = re.search(rf'{name}_total\{{model="{model}",version="1"\}} (\S+)', page)
-        return float(found.group(1)) if found else 0.0
-
-    return value("ferry_prefix_cache_query_tokens"), value("ferry_prefix_cache_hit_tokens")
+    return common.model_totals(metrics_url, model, "ferry_prefix_cache_query_tokens", "ferry_prefix_cache_hit_tokens")
 
 
 def measure_prefix(address, metrics_url, model: str, name: str, run) -> dict:

@@ -17,11 +17,9 @@ outputs with and without drafts are checked to be identical.
 from __future__ import annotations
 
 import asyncio
-import re
 import shutil
 import statistics
 import tempfile
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -75,13 +73,8 @@ async def run(address: str, model: str, prompts) -> tuple[float, list[list[int]]
 
 
 def counters(metrics_url: str, model: str) -> tuple[float, float]:
-    page = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-
-    def value(name):
-        found = re.search(rf'{name}_total\{{model="{model}",version="1"\}} (\S+)', page)
-        return float(found.group(1)) if found else 0.0
-
-    return value("ferry_spec_decode_num_draft_tokens"), value("ferry_spec_decode_num_accepted_tokens")
+    return common.model_totals(metrics_url, model, "ferry_spec_decode_num_draft_tokens",
+                               "ferry_spec_decode_num_accepted_tokens")
 
 
 def main(args, start_ferry) -> None:

@@ -225,3 +225,14 @@ output [ {{ name: "fc6_1" data_type: TYPE_FP32 dims: [ 10 ] reshape {{ shape: [ 
 """)
     (repo / name / "densenet_labels.txt").write_text("".join(f"CLASS_{i}\n" for i in range(10)))
     return repo / name
+
+
+def script_models(repo: Path) -> None:
+    """What tests/integration/tritonclient_calls.py calls: `simple` (add/sub), `echo` (BYTES identity) and
+    `broken` (a file ONNX Runtime cannot read, so the model fails to load)."""
+    add_sub(repo / "simple" / "1" / "model.onnx")
+    save_onnx([helper.make_node("Identity", ["TEXT"], ["TEXT_OUT"])],
+              [tensor("TEXT", TensorProto.STRING, ["batch", 2])],
+              [tensor("TEXT_OUT", TensorProto.STRING, ["batch", 2])], repo / "echo" / "1" / "model.onnx")
+    (repo / "broken" / "1").mkdir(parents=True)
+    (repo / "broken" / "1" / "model.onnx").write_bytes(b"junk")

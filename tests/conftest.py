@@ -25,6 +25,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, folder))
 
 
+def wait_for(predicate, timeout_s: float = 60, what: str = "") -> None:
+    """Wait for a state, never for an amount of work: `predicate` is polled until true, with a bound
+    generous enough for a slow, busy CI machine; the poll interval only sets how soon it is seen."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what or predicate}")
+
+
 class RunningServer:
     """A `ferry serve` subprocess; its stdout is collected so tests can read what it printed."""
 
@@ -74,12 +85,7 @@ class RunningServer:
         return None
 
     def wait_for_metric(self, name: str, value: float, timeout_s: float = 20, **labels: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.metric(name, **labels) == value:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"{name}{labels} never reached {value} (last: {self.metric(name, **labels)})")
+        wait_for(lambda: self.metric(name, **labels) == value, timeout_s, f"{name}{labels} to reach {value}")
 
     @property
     def output(self) -> str:

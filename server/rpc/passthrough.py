@@ -42,9 +42,10 @@ class Undecodable:
 class MalformedBodies:
     """Counts undecodable bodies per method; logs a summary line at most once per `interval_s`."""
 
-    def __init__(self, interval_s: float = 60.0):
+    def __init__(self, interval_s: float = 60.0, clock=time.monotonic):
         self.counts: Counter[str] = Counter()
         self._interval_s = interval_s
+        self._clock = clock
         self._logged_at: float | None = None
         self._since_log = 0
         self._lock = threading.Lock()
@@ -53,7 +54,7 @@ class MalformedBodies:
         with self._lock:
             self.counts[method] += 1
             self._since_log += 1
-            now = time.monotonic()
+            now = self._clock()
             if self._logged_at is not None and now - self._logged_at < self._interval_s:
                 return
             count, self._since_log, self._logged_at = self._since_log, 0, now

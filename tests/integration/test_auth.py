@@ -132,7 +132,7 @@ print(client.is_server_live())
 
 def test_tritonclient_passes_the_token_with_headers(server):
     if importlib.util.find_spec("tritonclient") is None:  # never imported here: its protobufs clash with ours
-        pytest.skip("tritonclient is not installed")
+        pytest.skip(reason="tritonclient is not installed")
     script = TRITON % (INFER_TOKEN, INFER_TOKEN)
     done = subprocess.run([sys.executable, "-c", script, server.address], capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr

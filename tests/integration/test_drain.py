@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -19,19 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import grpc_service_pb2 as pb
 from tests import builders, kserve
-from tests.conftest import RunningServer, link_shipped_models
+from tests.conftest import RunningServer, link_shipped_models, wait_for
 
 HOLD = {"X": np.array([[-1, -1]], np.float32)}  # negative: the gated model waits for the gate file
 QUEUED = 40
-
-
-def wait_for(predicate, timeout_s: float = 60, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what or predicate}")
 
 
 def health_status(channel) -> int:

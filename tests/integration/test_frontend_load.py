@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 from tests import builders, kserve
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, wait_for
 
 
 def test_the_event_loops_busy_share_is_on_the_metrics_page(tmp_path):
@@ -20,12 +19,10 @@ def test_the_event_loops_busy_share_is_on_the_metrics_page(tmp_path):
         x = np.ones((1, 16), np.float32)
         for _ in range(20):
             stub.ModelInfer(kserve.request("mlp", {"X": x}), timeout=60)
-        deadline = time.monotonic() + 30  # the figure is refreshed every 0.1 s; wait generously for one
-        busy = None
-        while busy is None and time.monotonic() < deadline:
-            busy = server.metric("ferry_frontend_loop_busy_ratio")
-            time.sleep(0.05)
-        assert busy is not None, "the loop's busy share never appeared on /metrics"
+        # the figure is refreshed every 0.1 s of loop time; wait generously for the first one
+        wait_for(lambda: server.metric("ferry_frontend_loop_busy_ratio") is not None, 30,
+                 "the loop's busy share on /metrics")
+        busy = server.metric("ferry_frontend_loop_busy_ratio")
         assert 0.0 <= busy <= 1.0
         assert server.metric("nv_inference_request_success", model="mlp", version="1") == 20
     finally:

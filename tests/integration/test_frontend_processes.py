@@ -15,22 +15,20 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
 
 from grpc_health.v1 import health_pb2
 
 from protos import grpc_service_pb2 as pb
 from server import datatypes
 from tests import builders, kserve
-from tests.conftest import RunningServer, link_shipped_models
-from tests.integration.test_drain import _code, health_status, wait_for
+from tests.conftest import RunningServer, link_shipped_models, wait_for
+from tests.integration.test_drain import _code, health_status
 
 FRONTENDS = ("--frontend-processes", "2")
 HOLD = {"X": np.array([[-1, -1]], np.float32)}  # negative: the gated model waits for the gate file
@@ -40,12 +38,7 @@ B = np.full((2, 4), 2, np.float32)
 
 def _repo(root: Path) -> tuple[Path, Path]:
     repo = root / "repo"
-    builders.add_sub(repo / "simple" / "1" / "model.onnx")
-    builders.save_onnx([helper.make_node("Identity", ["TEXT"], ["TEXT_OUT"])],
-                       [builders.tensor("TEXT", TensorProto.STRING, ["batch", 2])],
-                       [builders.tensor("TEXT_OUT", TensorProto.STRING, ["batch", 2])], repo / "echo" / "1" / "model.onnx")
-    (repo / "broken" / "1").mkdir(parents=True)
-    (repo / "broken" / "1" / "model.onnx").write_bytes(b"junk")
+    builders.script_models(repo)
     builders.identity_all_types(repo / "types" / "1" / "model.onnx")
     builders.identity_all_types(repo / "typed" / "1" / "model.onnx", skip=("FP16",))  # FP16 has no typed field
     gate = root / "gate"
@@ -372,10 +365,7 @@ def test_killed_engine_takes_its_front_ends_with_it(tmp_path):
     pids = list(_frontend_pids(server).values())
     server.proc.kill()
     server.proc.wait()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-        time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids), "a front end outlived its engine"
+    wait_for(lambda: not any(_alive(pid) for pid in pids), 60, "the front ends to exit after their engine")
     server.stop()
 
 

@@ -110,7 +110,9 @@ def test_bad_bodies_are_counted_in_a_rate_limited_line_not_a_traceback_each(env)
     assert kserve.infer(server.channel, "simple", {"INPUT0": ONE, "INPUT1": ONE})["OUTPUT1"].tolist() == [[0] * 4]
     assert "Traceback" not in server.output
     lines = [line for line in server.lines if "undecodable request bod" in line]
-    assert 1 <= len(lines) <= 3, lines  # one line a minute however many bodies
+    # one line a minute however many bodies (tests/unit/test_malformed_bodies.py checks the exact
+    # lines with a clock it controls); here: a line was written, and far fewer lines than bodies
+    assert lines and len(lines) < 5, f"{len(lines)} summary lines for 50 bad bodies: {lines[:5]}"
 
 
 def test_reflection_still_lists_and_describes_the_services(env):

@@ -50,7 +50,7 @@ def call(server, path: str, body: bytes | None = None, headers: dict | None = No
 
 def curl(path: str, server, body: bytes, headers: dict):
     if shutil.which("curl") is None:
-        pytest.skip("curl is not installed")
+        pytest.skip(reason="curl is not installed")
     args = ["curl", "-s", "-X", "POST", "--data-binary", "@-", "-w", "\n%{http_code}", server.http_url + path]
     for key, value in headers.items():
         args += ["-H", f"{key}: {value}"]
@@ -62,7 +62,7 @@ def curl(path: str, server, body: bytes, headers: dict):
 @pytest.fixture(scope="module")
 def triton(server) -> dict:
     if importlib.util.find_spec("tritonclient.http") is None or importlib.util.find_spec("geventhttpclient") is None:
-        pytest.skip("tritonclient[http] is not installed (test extra)")
+        pytest.skip(reason="tritonclient[http] is not installed (test extra)")
     script = Path(__file__).with_name("tritonclient_http_calls.py")
     done = subprocess.run([sys.executable, str(script), server.http_address], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr

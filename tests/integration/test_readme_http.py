@@ -20,7 +20,7 @@ def examples() -> list[str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     if shutil.which("curl") is None:
-        pytest.skip("curl is not installed")
+        pytest.skip(reason="curl is not installed")
     repo = tmp_path_factory.mktemp("repo")
     link_shipped_models(repo, "simple", "tiny_llama")
     running = RunningServer(repo)

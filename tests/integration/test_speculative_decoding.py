@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import shutil
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -17,7 +16,7 @@ from protos import generate_pb2 as gen
 from protos import generate_pb2_grpc as gen_grpc
 from protos import grpc_service_pb2 as pb
 from tests import kserve, llm_builders
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, wait_for
 
 rng = random.Random(11)
 BASE = [rng.randrange(2, 300) for _ in range(12)]
@@ -58,10 +57,8 @@ def accepted(server, model) -> float:
 
 def wait_for_more(server, model, before: float) -> float:
     """The counters are published at the start of the next step loop: wait for it (generously)."""
-    deadline = time.monotonic() + 30
-    while (now := accepted(server, model)) <= before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return now
+    wait_for(lambda: accepted(server, model) > before, 30, f"{model}'s accepted-token counter to move")
+    return accepted(server, model)
 
 
 @pytest.mark.parametrize("model", ["loop", "mixed"])

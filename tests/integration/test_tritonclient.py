@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from onnx import TensorProto, helper
 
 from tests import builders
 from protos import generate_pb2 as gen
@@ -24,12 +23,7 @@ if importlib.util.find_spec("tritonclient") is None:
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     repo = tmp_path_factory.mktemp("repo")
-    builders.add_sub(repo / "simple" / "1" / "model.onnx")
-    builders.save_onnx([helper.make_node("Identity", ["TEXT"], ["TEXT_OUT"])],
-                       [builders.tensor("TEXT", TensorProto.STRING, ["batch", 2])],
-                       [builders.tensor("TEXT_OUT", TensorProto.STRING, ["batch", 2])], repo / "echo" / "1" / "model.onnx")
-    (repo / "broken" / "1").mkdir(parents=True)
-    (repo / "broken" / "1" / "model.onnx").write_bytes(b"junk")
+    builders.script_models(repo)
     link_shipped_models(repo, "tiny_llama")
     server = RunningServer(repo)
     try:

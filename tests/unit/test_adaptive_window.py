@@ -92,8 +92,9 @@ def test_compute_bound_instance_is_not_left_idle_for_a_bigger_batch():
     assert window(gap_ns=1_667 * US, clients=64, waiting=16, target_ms=500, exec_1_ms=1.25, exec_32_ms=40) == 0
 
 
-def test_an_idle_spell_does_not_make_a_busy_instance_look_idle():
-    # as above, but the model sat idle for ten seconds before this traffic: the pause is not a rate
+def compute_bound_window() -> tuple[AdaptiveWindow, int]:
+    """1.25 ms per row whatever the batch, 50 arrivals 1.667 ms apart from up to 64 clients: the
+    instance is the bottleneck. Returns the window and the time after the last arrival's gap."""
     w = AdaptiveWindow(500 * MS, 32)
     w.on_batch(1, int(1.25 * MS))
     w.on_batch(32, 40 * MS)
@@ -101,6 +102,12 @@ def test_an_idle_spell_does_not_make_a_busy_instance_look_idle():
     for i in range(50):
         w.on_arrival(now, in_system=min(64, i + 1))
         now += 1_667 * US
+    return w, now
+
+
+def test_an_idle_spell_does_not_make_a_busy_instance_look_idle():
+    # as above, but the model sat idle for ten seconds before this traffic: the pause is not a rate
+    w, now = compute_bound_window()
     now += 10_000 * MS
     for i in range(50):
         w.on_arrival(now, in_system=min(64, i + 1))
@@ -178,13 +185,7 @@ def test_busy_front_end_ends_the_window_after_a_short_silence():
 
 def test_busy_front_end_does_not_idle_a_compute_bound_instance():
     # the instance is the bottleneck (1.25 ms per row, 0.6 rows per ms): the loop's load changes nothing
-    w = AdaptiveWindow(500 * MS, 32)
-    w.on_batch(1, int(1.25 * MS))
-    w.on_batch(32, 40 * MS)
-    now = 0
-    for i in range(50):
-        w.on_arrival(now, in_system=min(64, i + 1))
-        now += 1_667 * US
+    w, now = compute_bound_window()
     now -= 1_667 * US
     w.on_frontend(1.0)
     assert w.close_ns(now, 16, now, in_system=16) == now

@@ -237,9 +237,9 @@ def test_the_loops_busy_share_reaches_the_adaptive_window():
         scheduler = DynamicBatcher(BatchingSettings(4, latency_target_ns=50_000_000), RequestQueue([QueuePolicy()]))
         r = ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None), loop_load=load)
         r.start()
-        for _ in range(3000):  # up to 30 s for the first few measured intervals
-            if load.intervals >= 3:
-                break
+        deadline = time.monotonic() + 60  # a state, not a duration: the first measured intervals
+        while load.intervals < 3:  # the loop must pass through select() (idle) for LoopLoad to measure
+            assert time.monotonic() < deadline, "LoopLoad measured no interval in 60 s"
             await asyncio.sleep(0.01)
         await r.infer(request(1))
         seen = scheduler.window.frontend_busy

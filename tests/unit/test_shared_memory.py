@@ -132,7 +132,7 @@ def test_close_releases_every_region(tmp_path):
 
 def test_a_real_posix_object_in_dev_shm():
     if not SHM_DIR.is_dir():
-        pytest.skip("no /dev/shm on this system")
+        pytest.skip(reason="no /dev/shm on this system")
     key = f"/ferry_unit_{uuid.uuid4().hex}"
     fd = os.open(SHM_DIR / key[1:], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
