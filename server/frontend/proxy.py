@@ -42,11 +42,13 @@ class Relay(grpc.GenericRpcHandler):
         self.skip = skip  # methods served by the front end itself
 
     def service(self, details: grpc.HandlerCallDetails):
-        if details.method in self.skip:
+        kind = _kind(details.method)
+        if details.method in self.skip or kind is None:
+            # Every service the engine serves is in the default pool, so a method missing from it is one the
+            # engine would answer UNIMPLEMENTED: gRPC answers it here the same, without a relay. (Relaying
+            # it as a stream both ways let a unary caller race the engine's early status into INTERNAL.)
             return None
-        # A method of a service the pool does not know is relayed as a stream both ways (the wire format of
-        # every kind): the engine answers it, UNIMPLEMENTED included, exactly as it would directly.
-        return _HANDLERS[_kind(details.method) or (True, True)](self, details.method)
+        return _HANDLERS[kind](self, details.method)
 
     async def unary(self, method: str, raw: bytes, context):
         call = self.channel.unary_unary(method)(raw, metadata=_metadata(context), timeout=context.time_remaining())
