@@ -31,23 +31,22 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     execution measurement yet: dispatch now, so nothing waits in vain and the model is measured first.
   * The front end (the one event loop doing every request's gRPC decode and encode) is seen through
     one number the runner hands in: the loop's busy share B (server/loop_load.py). At B >= 0.85 the
-    loop is the bottleneck, and three things change (the load test above still comes first: an
-    instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B).
+    loop is the bottleneck, and the wait changes as follows (the load test above still comes first:
+    an instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B).
     Requests waiting for the loop are invisible here (they are inside gRPC's core or the client, not
     in a handler: counted at dispatch, calls between the gRPC interceptor and the queue were 0-0.3 on
     average), so C undercounts the clients: from four queued rows on, at least a quarter more
     (rounded up) are expected whatever C says, and a lone client is never held. With slack on the
-    instance such a wait always counts as worth it: it frees loop time (one dispatch, executor hop and
-    wake-up for many rows) and costs no instance time. The cap of four executions is replaced by a
-    share of the target: the oldest request waits here at most a fifth of it (10 ms of 50), because
-    the same requests also queue in front of the loop, where no window can see them (at 128 clients
-    a round trip takes at least 128 / 3,600 req/s = 35 ms even on the bare gRPC floor, nearly all of
-    it waiting for the loop). Every arrival reopens
-    the question, so such a window runs on while the loop keeps delivering rows and ends at that
-    share, or at a silence of two mean gaps (the loop paces the arrivals, so a short silence means
-    everyone is here; waiting longer would idle the loop itself). B < 0.85, or no measurement (a
-    loop that cannot be measured): the rules above, unchanged, so a lone client or a quiet server
-    still gets its batch at once.
+    instance such a wait always counts as worth it: it frees loop time (one dispatch, executor hop
+    and wake-up for many rows) and costs no instance time. The cap of four executions is replaced by
+    a share of the target: the oldest request waits here at most a fifth of it (10 ms of 50),
+    because the same requests also queue in front of the loop, where no window can see them (at 128
+    clients a round trip takes at least 128 / 3,600 req/s = 35 ms even on the bare gRPC floor,
+    nearly all of it waiting for the loop). Every arrival reopens the question, so such a window runs
+    on while the loop keeps delivering rows and ends at that share, or at a silence of two mean gaps
+    (the loop paces the arrivals, so a short silence means everyone is here; waiting longer would
+    idle the loop itself). B < 0.85, or no measurement (a loop that cannot be measured): the rules
+    above, unchanged, so a lone client or a quiet server still gets its batch at once.
 A full batch always leaves at once (the batcher's rule). exec() is an exponentially weighted mean per
 executed batch size of what the batch cost its instance (assembly plus the run on its thread; not the
 wall time until the loop took the answer, which on a busy loop adds the loop's lag and made a light
