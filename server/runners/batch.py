@@ -127,6 +127,8 @@ class ModelRunner(RunnerBase):
 
     def _dispatch(self, batch: Batch, now: int) -> None:
         worker = self._idle.pop()
+        if log.isEnabledFor(logging.DEBUG):  # `--log-level DEBUG`: one line per batch, to see what the window did
+            self._trace(batch, now)
         for request in batch.requests:
             self.stats.record_queued(now - request.enqueue_ns)
             if request.expired(now):  # DELAY policy: it runs, but late
@@ -134,6 +136,13 @@ class ModelRunner(RunnerBase):
         task = asyncio.get_running_loop().create_task(self._run(worker, batch, worker.start(batch)))
         self._running.add(task)
         task.add_done_callback(self._running.discard)
+
+    def _trace(self, batch: Batch, now: int) -> None:
+        gauges = self.scheduler.gauges()
+        busy = self._loop_load.busy_ratio if self._loop_load is not None else None
+        log.debug("model '%s': batch of %d rows (%d requests), oldest waited %.3f ms, %d left queued, window %.3f ms, "
+                  "loop busy %s", self.name, batch.size, len(batch.requests), (now - batch.requests[0].enqueue_ns) / 1e6,
+                  gauges.pending, gauges.window_ns / 1e6, "unknown" if busy is None else f"{busy:.2f}")
 
     async def _run(self, worker: Worker, batch: Batch, running: asyncio.Future[BatchResult]) -> None:
         """Answer a dispatched batch; a failing one is split until its failing requests run alone

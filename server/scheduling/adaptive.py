@@ -31,16 +31,22 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     execution measurement yet: dispatch now, so nothing waits in vain and the model is measured first.
   * The front end (the one event loop doing every request's gRPC decode and encode) is seen through
     one number the runner hands in: the loop's busy share B (server/loop_load.py). At B >= 0.85 the
-    loop is the bottleneck, and three things change (the load test above still comes first: an
-    instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B).
-    Requests waiting for the loop are invisible here, so C undercounts the clients: at least a
-    quarter more rows (rounded down, so fewer than four queued rows rely on C alone and a lone
-    client is never held) are expected whatever C says. The cap of four executions is lifted:
-    waiting frees loop time (one dispatch, executor hop and wake-up for many rows) and costs no
-    instance time. What ends such a window: the budget, or a silence of two mean gaps (the loop
-    paces the arrivals, so a short silence means everyone is here; waiting longer would idle the
-    loop itself). B < 0.85, or no measurement (a loop that cannot be measured): the rules above,
-    unchanged, so a lone client or a quiet server still gets its batch at once.
+    loop is the bottleneck, and the wait changes as follows (the load test above still comes first:
+    an instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B).
+    Requests waiting for the loop are invisible here (they are inside gRPC's core or the client, not
+    in a handler: counted at dispatch, calls between the gRPC interceptor and the queue were 0-0.3 on
+    average), so C undercounts the clients: from four queued rows on, at least a quarter more
+    (rounded up) are expected whatever C says, and a lone client is never held. With slack on the
+    instance such a wait always counts as worth it: it frees loop time (one dispatch, executor hop
+    and wake-up for many rows) and costs no instance time. The cap of four executions is replaced by
+    a share of the target: the oldest request waits here at most a fifth of it (10 ms of 50),
+    because the same requests also queue in front of the loop, where no window can see them (at 128
+    clients a round trip takes at least 128 / 3,600 req/s = 35 ms even on the bare gRPC floor,
+    nearly all of it waiting for the loop). Every arrival reopens the question, so such a window runs
+    on while the loop keeps delivering rows and ends at that share, or at a silence of two mean gaps
+    (the loop paces the arrivals, so a short silence means everyone is here; waiting longer would
+    idle the loop itself). B < 0.85, or no measurement (a loop that cannot be measured): the rules
+    above, unchanged, so a lone client or a quiet server still gets its batch at once.
 A full batch always leaves at once (the batcher's rule). exec() is an exponentially weighted mean per
 executed batch size of what the batch cost its instance (assembly plus the run on its thread; not the
 wall time until the loop took the answer, which on a busy loop adds the loop's lag and made a light
@@ -61,8 +67,10 @@ _MIN_GAIN = 1.1  # a bottleneck instance waits only for at least this much more 
 _MIN_GROWTH = 0.25  # with slack, wait only if the batch would grow by at least a quarter
 _PEAK_HALF_LIFE_NS = 100_000_000  # how fast the apparent concurrency forgets an old peak
 _WAIT_EXEC_RATIO = 4.0  # never wait longer than this many executions of the grown batch
-_FRONTEND_BUSY = 0.85  # event loop busy share from which the front end counts as the bottleneck
-_FRONTEND_PAUSE_GAPS = 2.0  # ... while the front end is the bottleneck and paces the arrivals
+_FRONTEND_BUSY = 0.85  # event loop busy share from which the front end counts as the bottleneck; then:
+_FRONTEND_MIN_ROWS = 4  # from this many queued rows, at least a quarter more are expected (a lone client is never held)
+_FRONTEND_WAIT_SHARE = 0.2  # the oldest request waits here for at most this share of the target
+_FRONTEND_PAUSE_GAPS = 2.0  # and a silence this many mean gaps long ends the window (the loop paces arrivals)
 _PAUSE_GAPS = 8.0  # no arrival for this many mean gaps: the stream paused (a Poisson gap that long: 1 in 3000)
 
 
@@ -169,32 +177,38 @@ class AdaptiveWindow:
         close = now_ns
         frontend_bound = self.frontend_busy is not None and self.frontend_busy >= _FRONTEND_BUSY
         expected = self.concurrency - in_system
-        if frontend_bound:  # clients queued in the front end are invisible here: expect at least some growth
-            expected = max(expected, rows // 4)
+        if frontend_bound and rows >= _FRONTEND_MIN_ROWS:
+            # Clients queued in the front end are invisible here: expect at least a quarter more (rounded
+            # up: rounding down held back every batch whose size is not a multiple of four).
+            expected = max(expected, -(-rows // 4))
         expected = min(expected, self.max_batch_size - rows)
         rate = self.rate_per_ns(now_ns)
         # With the loop busy, arrivals are paced by it: a short silence means everyone is already here.
         pause_gaps = _FRONTEND_PAUSE_GAPS if frontend_bound else _PAUSE_GAPS
         paused = self._gap_ns is not None and now_ns - self._last_arrival_ns > pause_gaps * self._gap_ns
-        if expected >= 1 and rate > 0 and not paused and self.exec.known and self._worth_waiting(rows, expected, rate):
+        if expected >= 1 and rate > 0 and not paused and self.exec.known and self._worth_waiting(rows, expected, rate, frontend_bound):
             exec_grown = self.exec.estimate(rows + expected)
             latest_start = head_enqueue_ns + self.target_ns * _TARGET_SHARE - exec_grown
             if rate * (latest_start - now_ns) >= 1:
                 close = int(min(latest_start, now_ns + expected / rate))
-                if not frontend_bound:
+                if frontend_bound:
+                    # Requests also queue in front of the loop, unseen here: leave them most of the target.
+                    close = int(min(close, head_enqueue_ns + _FRONTEND_WAIT_SHARE * self.target_ns))
+                else:
                     # Waiting much longer than the grown batch takes to run rarely pays: if the expected
                     # rows are that slow, the expectation is probably wrong.
                     close = int(min(close, now_ns + _WAIT_EXEC_RATIO * exec_grown))
         self.current_ns = max(0, close - head_enqueue_ns)
         return max(close, now_ns)
 
-    def _worth_waiting(self, rows: int, expected: float, rate: float) -> bool:
+    def _worth_waiting(self, rows: int, expected: float, rate: float, frontend_bound: bool) -> bool:
         grown = rows + expected
         exec_grown = self.exec.estimate(grown)
         sustained_rate = self._sustained_rate()  # a lull right now does not make the instance idle
         if sustained_rate * exec_grown / grown < _BOTTLENECK_LOAD:
             # The instance has slack: a bigger batch only saves per-batch work, and that saving fades
-            # as the batch grows, so wait only for a real increase, not for the last stragglers.
-            return expected >= rows * _MIN_GROWTH
+            # as the batch grows, so wait only for a real increase, not for the last stragglers; unless
+            # the loop is the bottleneck, where every batch saved is loop time for more requests.
+            return frontend_bound or expected >= rows * _MIN_GROWTH
         wait = expected / rate
         return grown / (wait + exec_grown) > _MIN_GAIN * rows / max(self.exec.estimate(rows), 1.0)

@@ -250,3 +250,28 @@ def test_the_loops_busy_share_reaches_the_adaptive_window():
     intervals, seen = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert intervals >= 3
     assert seen is not None and 0.0 <= seen <= 1.0
+
+
+def test_debug_log_shows_every_batch_as_it_was_cut(caplog):
+    """`--log-level DEBUG` prints one line per dispatched batch (rows, requests, what was left queued, the
+    window): what a tuning session reads to see the window's decisions. Batch sizes are held by the gate."""
+    import logging
+
+    HeldEcho.reset()
+
+    async def scenario():
+        r = runner(max_batch_size=4)
+        r.start()
+        first = asyncio.create_task(r.infer(request(0)))
+        await running()
+        rest = [asyncio.create_task(r.infer(request(i))) for i in range(1, 6)]  # 5 queue behind the held batch
+        await queued(r, 5)
+        HeldEcho.gate.set()
+        await asyncio.gather(first, *rest)
+        await r.close(grace_s=10)
+
+    with caplog.at_level(logging.DEBUG, logger="server.runners.batch"):
+        asyncio.run(asyncio.wait_for(scenario(), 60))
+    lines = [m for m in caplog.messages if "batch of" in m]
+    assert [line.split(" rows")[0].split("batch of ")[1] for line in lines] == ["1", "4", "1"]
+    assert "(4 requests)" in lines[1] and "1 left queued" in lines[1] and "window 0.000 ms" in lines[1]
