@@ -45,7 +45,9 @@ INSTANCES = {
     "heavy": "instance_group: [{count: 1, kind: KIND_CPU}]\n",
 }
 POLICIES = {
-    "none": "",
+    # No scheduling block: the config declares no inputs, so (as Triton's auto-complete) the model batches
+    # dynamically with no delay: a batch is whatever is queued when an instance frees up.
+    "no delay": "",
     "fixed 0.5ms": "dynamic_batching: {max_queue_delay_microseconds: 500}\n",
     "fixed 2ms": "dynamic_batching: {max_queue_delay_microseconds: 2000}\n",
     "fixed 8ms": "dynamic_batching: {max_queue_delay_microseconds: 8000}\n",
