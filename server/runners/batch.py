@@ -1,12 +1,12 @@
 """The batching runner: feeds one model version's instances from its scheduler, on the event loop.
 
-The loop wakes on a finished batch, on the scheduler's next timer (a batching window closing, a
-deadline passing), and on a new request only when that request moves the next timer (a window
-opening, a deadline sooner than the timer set). A request that arrives while an instance is free is
-offered to the scheduler at once, in the caller's own turn of the loop (a batch it completes leaves
-then); so deadlines fire on time even while every instance is busy, and no model pays a wake-up of
-its loop per arrival: on a light model at 64 clients that wake-up (a task switch, a timer cancelled
-and made again) was most of what the runner cost per request.
+The runner takes a turn (feed free instances from the scheduler, keep one timer set for the
+scheduler's next event) where something happens: a request arrives while an instance is free or with a
+deadline sooner than the timer, the timer fires (a batching window closing, a deadline passing), an
+instance is freed. So deadlines fire on time even while every instance is busy, a busy model does not
+pay a turn per arrival, and no turn waits for a task to be woken: on a light model at 64 clients, a
+wake-up of the loop's task per arrival (a task switch, a timer cancelled and made again) was a good
+part of what the runner cost per request. The loop's task runs the first turn and the drain.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class ModelRunner(RunnerBase):
         self._idle = list(workers)
         self._running: set[asyncio.Task] = set()
         self._admitted: set[InferRequest] = set()  # queued or running, not yet answered
-        self._timer_ns: int | None = None  # when the loop wakes by itself next (None: only when told)
+        self._timer: asyncio.TimerHandle | None = None  # set for the scheduler's next event
+        self._timer_ns: int | None = None  # when that timer fires (None: no timer set)
         self._cut_off = False  # the drain grace ran out: dispatch nothing more
 
     def _abandon_all(self, error: ModelUnavailableError) -> None:
@@ -72,10 +73,8 @@ class ModelRunner(RunnerBase):
         if self._order is not None:
             self._order.admit(request)
         self._admitted.add(request)
-        if self._idle:
-            self._offer()
-        elif _sooner(request.deadline_ns, self._timer_ns):
-            self._wake.set()
+        if self._idle or _sooner(request.deadline_ns, self._timer_ns):
+            self._turn_or_wake()
         else:  # every instance is busy and no earlier timer is needed: the next release cuts the batch
             self.stats.set_gauges(self.scheduler.gauges())
         try:
@@ -95,43 +94,46 @@ class ModelRunner(RunnerBase):
         self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return outputs
 
-    def _offer(self) -> None:
-        """A request arrived while an instance is free: do here what a wake-up of the loop would do
-        (cut what the scheduler is ready to cut), and wake the loop only if its timer must move."""
-        now = time.monotonic_ns()
-        try:
-            self._feed(now)
-            self.stats.set_gauges(self.scheduler.gauges())
-            if self.scheduler.next_event_ns(now) == self._timer_ns:
-                return
-        except Exception:  # the loop feeds again on its wake (and fails loudly if it must)
-            log.exception("model '%s': offering a request to a free instance failed", self.name)
-        self._wake.set()
-
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        timer = None
+        """Runs the turns nothing else runs (start, drain) and ends once drained; arrivals, the timer
+        and freed instances run their own turn (_turn_or_wake)."""
         try:
             while self._accepting or len(self.scheduler) or len(self._idle) < len(self.workers):
-                now = time.monotonic_ns()
-                self._feed(now)
-                self.stats.set_gauges(self.scheduler.gauges())
+                self._turn(time.monotonic_ns())
                 self._wake.clear()
-                wake_ns = self.scheduler.next_event_ns(now)
-                if wake_ns != self._timer_ns:  # the timer set (if any) is still the right one otherwise
-                    if timer is not None:
-                        timer.cancel()
-                    timer = None if wake_ns is None else loop.call_later(
-                        max(0, wake_ns - time.monotonic_ns()) / 1e9, self._timer_fired)
-                    self._timer_ns = wake_ns
                 await self._wake.wait()
         finally:
-            if timer is not None:
-                timer.cancel()
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self._timer_ns = None
+
+    def _turn(self, now: int) -> None:
+        """One turn of the runner: feed free instances, publish the gauges, keep the timer set for the
+        scheduler's next event (the one already set stays when it is still right)."""
+        self._feed(now)
+        self.stats.set_gauges(self.scheduler.gauges())
+        wake_ns = self.scheduler.next_event_ns(now)
+        if wake_ns != self._timer_ns:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = None if wake_ns is None else asyncio.get_running_loop().call_later(
+                max(0, wake_ns - time.monotonic_ns()) / 1e9, self._timer_fired)
+            self._timer_ns = wake_ns
+
+    def _turn_or_wake(self) -> None:
+        """A turn run where the event happened (an arrival, the timer), not by waking the loop's task
+        for it; on a failure the loop runs it instead (and fails loudly if it must)."""
+        try:
+            self._turn(time.monotonic_ns())
+        except Exception:
+            log.exception("model '%s': a turn of the runner failed; waking its loop", self.name)
+            self._wake.set()
 
     def _timer_fired(self) -> None:
-        self._timer_ns = None  # a timer that fired is set no more, even if it fired a hair early
-        self._wake.set()
+        self._timer = self._timer_ns = None  # fired: set no more, even if it fired a hair early
+        if self._task is None or self._task.done() or self._cut_off:
+            return  # stopping: a batch started now would only delay the shutdown
+        self._turn_or_wake()
 
     def _feed(self, now: int) -> None:
         """Expire what is overdue, then give every idle instance a batch the scheduler is ready to cut."""
@@ -229,14 +231,17 @@ class ModelRunner(RunnerBase):
         request, and the instance would otherwise sit idle while the loop encodes and sends them all.
         The price: those answers wait for the next batch's inputs to be copied (~0.5 ms for 1.5 MB)."""
         self._idle.append(worker)
-        self._wake.set()
+        if not self._accepting:
+            self._wake.set()  # draining: the loop ends once every instance is back
         current = asyncio.current_task()
         if self._task is None or self._task.done() or self._cut_off or (current is not None and current.cancelling()):
+            self._wake.set()
             return  # stopping: a batch started now would only delay the shutdown
         try:
-            self._feed(now)
+            self._turn(now)
         except Exception:  # the loop feeds again on its wake (and fails loudly if it must)
             log.exception("model '%s': refilling a freed instance failed", self.name)
+            self._wake.set()
 
     def _fail(self, request: InferRequest, error: FerryError) -> None:
         self._finish(request, _setter(request, error=error))
