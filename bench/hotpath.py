@@ -1,7 +1,7 @@
 """Server CPU per request on the light model: Ferry against the bare grpc.aio handler, same run.
 
     python -m bench.hotpath [--requests 6000] [--rounds 5] [--concurrency 64] [--window-us 1000]
-                            [--profile 20] [--no-record]
+                            [--max-batch 128] [--baseline COMMIT] [--profile 20] [--no-record]
 
 On an overhead-bound model Ferry's throughput is set by the CPU its event loop spends per request, so
 that is what this measures, and not requests/s: CPU seconds per served request do not move when other
@@ -17,6 +17,11 @@ What Ferry does per batch (one wake-up, one executor hop, the model itself) is s
 requests, so the figure depends on the batch sizes formed; the mean executed batch of each round
 (ModelStatistics, inference_count / execution_count) is printed beside it.
 
+`--baseline COMMIT`: a third server, Ferry as of that commit (exported with `git archive`), in the same
+rounds: a before/after of a change. Because the batch sizes formed move with the speed of each server,
+`--concurrency 8 --max-batch 8 --window-us 100000` (every batch exactly 8, cut by its eighth arrival)
+compares the code's cost per request and per batch without that feedback.
+
 `--profile N`: afterwards, serve Ferry under cProfile (main thread: the event loop), drive the same
 load once, and print the N functions with the most own time, per request.
 """
@@ -29,6 +34,7 @@ import cProfile
 import os
 import pstats
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,10 +43,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench import common, models
+from bench import common, models, peers
 from clients import loadgen
 
-FERRY, FLOOR = "Ferry", "floor"
+FERRY, FLOOR, BASELINE = "Ferry", "floor", "Ferry baseline"
 MODEL = "light"
 
 
@@ -99,28 +105,31 @@ def measure(servers: dict, load: list[bytes], args: argparse.Namespace) -> dict[
     runs: dict[str, list[dict]] = {name: [] for name in servers}
     names = list(servers)
     for r in range(args.rounds):
-        for name in names[r % 2:] + names[:r % 2]:
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
             proc, address = servers[name]
-            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name == FERRY))
+            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name != FLOOR))
         print(f"hotpath: round {r + 1}: " + "  ".join(
             f"{n}: loop {runs[n][-1]['loop_us']:.0f} us, process {runs[n][-1]['process_us']:.0f} us" for n in names), flush=True)
     return runs
 
 
 def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
-    ferry, floor = runs[FERRY], runs[FLOOR]
     lines = [f"Light MLP (bench/models.py), batch-1 requests, closed loop at concurrency {args.concurrency}, "
              f"{args.requests} requests per run, {args.rounds} interleaved rounds; Ferry: fixed "
              f"{args.window_us / 1000:g} ms window, max batch {args.max_batch}, 1 instance. Server CPU per served request "
              "(median over rounds, min-max):", "",
              "| server | event loop (main thread) us/request | whole process us/request | mean batch |", "|---|---|---|---|"]
-    for name, found in ((FERRY, ferry), (FLOOR, floor)):
+    for name, found in runs.items():
         cells = [_spread([x[k] for x in found]) for k in ("loop_us", "process_us")]
         batch = f"{median([x['batch'] for x in found]):.1f}" if "batch" in found[0] else ""
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {batch} |")
-    for key, label in (("loop_us", "event loop"), ("process_us", "whole process")):
-        ratios = [a[key] / b[key] for a, b in zip(ferry, floor) if b[key] > 0]
-        lines.append(f"\n- Ferry / floor, {label} CPU per request, round by round: {_spread(ratios, 2)}")
+    lines.append("")
+    pairs = [(FERRY, FLOOR)] + ([(BASELINE, FLOOR), (FERRY, BASELINE)] if BASELINE in runs else [])
+    for top, bottom in pairs:
+        for key, label in (("loop_us", "event loop"), ("process_us", "whole process")):
+            ratios = [a[key] / b[key] for a, b in zip(runs[top], runs[bottom]) if b[key] > 0]
+            lines.append(f"- {top} / {bottom}, {label} CPU per request, round by round: {_spread(ratios, 2)}")
     return "\n".join(lines)
 
 
@@ -166,11 +175,25 @@ def serve_profiled(stats_file: str, argv: list[str]) -> None:
     ferry_main(["serve", *argv])
 
 
-def measure_both(repo: Path, load: list[bytes], args: argparse.Namespace) -> str:
+def start_baseline(commit: str, repo: Path, tmp: Path):
+    """Ferry as it was at `commit` (exported from this repository's git), serving the same model."""
+    tree = tmp / "baseline"
+    tree.mkdir()
+    archive = subprocess.run(["git", "archive", commit], cwd=common.ROOT, capture_output=True, check=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(common.ferry_command(repo), cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    return proc, peers.wait_for_lines(proc, [r"ferry: serving gRPC on (\S+)", r"ferry: ready"], 120)[0].group(1)
+
+
+def measure_all(repo: Path, load: list[bytes], args: argparse.Namespace, tmp: Path) -> str:
     servers = {}
     try:
         servers[FERRY] = common.start_server(common.ferry_command(repo))
         servers[FLOOR] = common.start_server([sys.executable, "-m", "bench.floor_server", "0"])
+        if args.baseline:
+            servers[BASELINE] = start_baseline(args.baseline, repo, Path(tmp))
         for _, address in servers.values():  # warm both: first calls, ONNX Runtime's first runs
             drive(address, load, args.concurrency, 2000)
         t0 = time.monotonic()
@@ -192,13 +215,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--window-us", type=int, default=1000, help="Ferry's fixed batching window")
     parser.add_argument("--max-batch", type=int, default=128)
+    parser.add_argument("--baseline", metavar="COMMIT",
+                        help="also serve Ferry as of this git commit (e.g. main) in the same rounds: before/after")
     parser.add_argument("--profile", type=int, default=0, help="then profile Ferry's loop and print this many functions")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
     load = payloads()
     with tempfile.TemporaryDirectory() as tmp:
         repo = build(Path(tmp), args.window_us, args.max_batch)
-        report = measure_both(repo, load, args) if args.rounds else ""
+        report = measure_all(repo, load, args, Path(tmp)) if args.rounds else ""
         if args.profile:
             print(profile(repo, load, args, Path(tmp)), flush=True)
     if report and not args.no_record:
