@@ -1,12 +1,14 @@
 """The batching runner: feeds one model version's instances from its scheduler, on the event loop.
 
 The runner takes a turn (feed free instances from the scheduler, keep one timer set for the
-scheduler's next event) where something happens: a request arrives while an instance is free or with a
+scheduler's next event) when something happens: a request arrives while an instance is free or with a
 deadline sooner than the timer, the timer fires (a batching window closing, a deadline passing), an
-instance is freed. So deadlines fire on time even while every instance is busy, a busy model does not
-pay a turn per arrival, and no turn waits for a task to be woken: on a light model at 64 clients, a
-wake-up of the loop's task per arrival (a task switch, a timer cancelled and made again) was a good
-part of what the runner cost per request. The loop's task runs the first turn and the drain.
+instance is freed. So deadlines fire on time even while every instance is busy, and a busy model does
+not pay a turn per arrival. An arrival's or the timer's turn runs once the callbacks ready at that
+moment have run (requests arriving in one pass of the event loop are offered together, as when a
+wake-up of the loop's task ran it), but as one plain callback: on a light model at 64 clients, waking
+the loop's task per arrival (a task switch, a timer cancelled and made again) was a good part of what
+the runner cost per request. The loop's task runs the first turn and the drain.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class ModelRunner(RunnerBase):
         self._admitted: set[InferRequest] = set()  # queued or running, not yet answered
         self._timer: asyncio.TimerHandle | None = None  # set for the scheduler's next event
         self._timer_ns: int | None = None  # when that timer fires (None: no timer set)
+        self._turn_due = False  # a turn is scheduled (call_soon) and has not run yet
         self._cut_off = False  # the drain grace ran out: dispatch nothing more
 
     def _abandon_all(self, error: ModelUnavailableError) -> None:
@@ -74,7 +77,7 @@ class ModelRunner(RunnerBase):
             self._order.admit(request)
         self._admitted.add(request)
         if self._idle or _sooner(request.deadline_ns, self._timer_ns):
-            self._turn_or_wake()
+            self._turn_soon()
         else:  # every instance is busy and no earlier timer is needed: the next release cuts the batch
             self.stats.set_gauges(self.scheduler.gauges())
         try:
@@ -96,7 +99,7 @@ class ModelRunner(RunnerBase):
 
     async def _loop(self) -> None:
         """Runs the turns nothing else runs (start, drain) and ends once drained; arrivals, the timer
-        and freed instances run their own turn (_turn_or_wake)."""
+        and freed instances have theirs run without it (_turn_soon, _release)."""
         try:
             while self._accepting or len(self.scheduler) or len(self._idle) < len(self.workers):
                 self._turn(time.monotonic_ns())
@@ -120,20 +123,26 @@ class ModelRunner(RunnerBase):
                 max(0, wake_ns - time.monotonic_ns()) / 1e9, self._timer_fired)
             self._timer_ns = wake_ns
 
-    def _turn_or_wake(self) -> None:
-        """A turn run where the event happened (an arrival, the timer), not by waking the loop's task
-        for it; on a failure the loop runs it instead (and fails loudly if it must)."""
+    def _turn_soon(self) -> None:
+        """A turn once the callbacks ready now have run, as a wake-up of the loop's task would run it (so
+        requests arriving in one pass of the event loop are offered together), without waking a task."""
+        if not self._turn_due:
+            self._turn_due = True
+            asyncio.get_running_loop().call_soon(self._due_turn)
+
+    def _due_turn(self) -> None:
+        self._turn_due = False
+        if self._task is None or self._task.done() or self._cut_off:
+            return  # stopping: a batch started now would only delay the shutdown
         try:
             self._turn(time.monotonic_ns())
-        except Exception:
+        except Exception:  # the loop runs the turn instead (and fails loudly if it must)
             log.exception("model '%s': a turn of the runner failed; waking its loop", self.name)
             self._wake.set()
 
     def _timer_fired(self) -> None:
         self._timer = self._timer_ns = None  # fired: set no more, even if it fired a hair early
-        if self._task is None or self._task.done() or self._cut_off:
-            return  # stopping: a batch started now would only delay the shutdown
-        self._turn_or_wake()
+        self._turn_soon()
 
     def _feed(self, now: int) -> None:
         """Expire what is overdue, then give every idle instance a batch the scheduler is ready to cut."""
