@@ -79,18 +79,20 @@ def counts(address: str) -> tuple[int, int]:
         return common.model_counts(channel, MODEL)
 
 
-def drive(address: str, load: list[bytes], concurrency: int, requests: int) -> None:
+def drive(address: str, load: list[bytes], concurrency: int, requests: int) -> float:
+    """Requests/s of the run (its own figure: it moves with whatever else the machine runs)."""
     result = asyncio.run(loadgen.closed_loop(address, load, concurrency, requests=requests, timeout_s=60))
     if result.errors:
         raise RuntimeError(f"requests failed: {result.errors}")
+    return result.throughput
 
 
 def run_once(pid: int, address: str, load: list[bytes], concurrency: int, requests: int, batches: bool) -> dict:
     before_counts = counts(address) if batches else (0, 0)
     process0, main0 = cpu_ns(pid)
-    drive(address, load, concurrency, requests)
+    rps = drive(address, load, concurrency, requests)
     process1, main1 = cpu_ns(pid)
-    row = {"process_us": (process1 - process0) / requests / 1000, "loop_us": (main1 - main0) / requests / 1000}
+    row = {"process_us": (process1 - process0) / requests / 1000, "loop_us": (main1 - main0) / requests / 1000, "rps": rps}
     if batches:
         after = counts(address)
         row["batch"] = (after[0] - before_counts[0]) / max(1, after[1] - before_counts[1])
@@ -119,17 +121,19 @@ def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
              f"{args.requests} requests per run, {args.rounds} interleaved rounds; Ferry: fixed "
              f"{args.window_us / 1000:g} ms window, max batch {args.max_batch}, 1 instance. Server CPU per served request "
              "(median over rounds, min-max):", "",
-             "| server | event loop (main thread) us/request | whole process us/request | mean batch |", "|---|---|---|---|"]
+             "| server | event loop (main thread) us/request | whole process us/request | mean batch | req/s |",
+             "|---|---|---|---|---|"]
     for name, found in runs.items():
         cells = [_spread([x[k] for x in found]) for k in ("loop_us", "process_us")]
         batch = f"{median([x['batch'] for x in found]):.1f}" if "batch" in found[0] else ""
-        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {batch} |")
+        lines.append(f"| {name} | {cells[0]} | {cells[1]} | {batch} | {median([x['rps'] for x in found]):.0f} |")
     lines.append("")
     pairs = [(FERRY, FLOOR)] + ([(BASELINE, FLOOR), (FERRY, BASELINE)] if BASELINE in runs else [])
     for top, bottom in pairs:
-        for key, label in (("loop_us", "event loop"), ("process_us", "whole process")):
+        for key, label in (("loop_us", "event loop CPU per request"), ("process_us", "whole process CPU per request"),
+                           ("rps", "requests/s")):
             ratios = [a[key] / b[key] for a, b in zip(runs[top], runs[bottom]) if b[key] > 0]
-            lines.append(f"- {top} / {bottom}, {label} CPU per request, round by round: {_spread(ratios, 2)}")
+            lines.append(f"- {top} / {bottom}, {label}, round by round: {_spread(ratios, 2)}")
     return "\n".join(lines)
 
 
