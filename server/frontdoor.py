@@ -42,16 +42,22 @@ def infer_request(mv: ModelVersion, inputs: dict[str, np.ndarray], requested: tu
 
     `nbytes`: the input data the request holds while queued (its byte budget's charge); by default
     the decoded arrays' size, which a front door replaces where it knows the bytes received."""
-    batch_size, key = mv.signature.check_inputs(inputs)
-    mv.signature.check_outputs(requested)
-    params = dict(params)
-    priority, timeout_us = params.pop("priority", 0), params.pop("timeout", 0)
-    for name, value in (("priority", priority), ("timeout", timeout_us)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {capped(repr(value), 100)}")
-    cost = params.pop("cost", 0)  # per row, for cost-aware batching; 0: derived from the length
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
-        raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {capped(repr(cost), 100)}")
+    signature = mv.signature
+    batch_size, key = signature.check_inputs(inputs)
+    if requested:
+        signature.check_outputs(requested)
+    priority = timeout_us = cost = 0
+    if params:  # most requests carry none
+        params = dict(params)
+        priority, timeout_us = params.pop("priority", 0), params.pop("timeout", 0)
+        for name, value in (("priority", priority), ("timeout", timeout_us)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {capped(repr(value), 100)}")
+        cost = params.pop("cost", 0)  # per row, for cost-aware batching; 0: derived from the length
+        if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not 0 <= cost < float("inf"):
+            raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {capped(repr(cost), 100)}")
+    else:
+        params = {}  # the request's own dict, never one a caller passed in
     return InferRequest(
         model_name=mv.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request_id,
         requested_outputs=requested, parameters=params, priority=priority, timeout_us=timeout_us,

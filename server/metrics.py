@@ -113,6 +113,19 @@ class ModelStats:
         if self._hist:
             self._hist["queue_us"].observe(queue_ns / 1000)
 
+    def record_dispatched(self, requests, now_ns: int) -> None:
+        """A batch leaves the queue: each request's queue time, and a deadline miss for each that runs late
+        (DELAY policy); one lock for the whole batch."""
+        waits = [now_ns - r.enqueue_ns for r in requests]
+        late = sum(1 for r in requests if r.expired(now_ns))
+        with self._lock:
+            self.queue.add(sum(waits), len(waits))
+            self.deadline_misses += late
+        if self._hist:
+            observe = self._hist["queue_us"].observe
+            for wait_ns in waits:
+                observe(wait_ns / 1000)
+
     def record_done(self, total_ns: int, ok: bool, reason: str = "") -> None:
         with self._lock:
             if ok:

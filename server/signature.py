@@ -117,6 +117,8 @@ class Signature:
                 )
 
     def _check_dtype(self, spec: TensorSpec, value: np.ndarray) -> None:
+        if value.dtype == spec.datatype.numpy:  # the usual case, without the table lookup
+            return
         got = datatypes.from_numpy(value.dtype)
         if got is not spec.datatype:
             raise InvalidInputError(
@@ -124,6 +126,8 @@ class Signature:
             )
 
     def _check_dims(self, spec: TensorSpec, dims: tuple, full_shape: tuple) -> None:
+        if dims == spec.dims:  # fixed dims sent as declared: nothing to compare one by one
+            return
         if len(dims) != len(spec.dims) or any(d != -1 and d != s for d, s in zip(spec.dims, dims)):
             expected = spec.shape_for_metadata(self.batching)
             raise InvalidInputError(

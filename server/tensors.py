@@ -29,11 +29,13 @@ def checked_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     here rather than by numpy (whose ValueError would surface as INTERNAL)."""
     if len(shape) > MAX_RANK:
         raise InvalidInputError(f"input {shown(name)} has {len(shape)} dimensions; at most {MAX_RANK} are supported")
-    for d in shape:
-        if not 0 <= d <= MAX_DIM:
-            raise InvalidInputError(
-                f"input {shown(name)} has dimension {d} in shape {_shape(shape)}; each must be within [0, {MAX_DIM}]")
-    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+    if shape and not (0 <= min(shape) and max(shape) <= MAX_DIM):  # the common case passes in two C calls
+        for d in shape:
+            if not 0 <= d <= MAX_DIM:
+                raise InvalidInputError(
+                    f"input {shown(name)} has dimension {d} in shape {_shape(shape)}; each must be within [0, {MAX_DIM}]")
+    count = math.prod(shape)
+    if count > MAX_ELEMENTS or (count == 0 and math.prod(d for d in shape if d) > MAX_ELEMENTS):
         raise InvalidInputError(
             f"input {shown(name)}: shape {_shape(shape)} has more than {MAX_ELEMENTS} elements (2**31 - 1)")
     return shape

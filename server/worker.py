@@ -42,16 +42,31 @@ class Worker:
         now keeps the GIL, see assembly.join_rows). Submitting here
         rather than in the task that awaits the result starts the run before the callbacks already
         queued on the loop. A failure to assemble fails this batch's future, never the caller.
+
+        The thread settles the returned future itself with one call_soon_threadsafe: not
+        run_in_executor, whose future is chained to a second, concurrent one through two more
+        callbacks on the loop for every batch.
         """
         loop = asyncio.get_running_loop()
+        done = loop.create_future()
         t0 = time.monotonic_ns()
         try:
             inputs, pad_count = self.assembler.gather(batch)
-            return loop.run_in_executor(self._thread, self._execute, batch, inputs, pad_count, time.monotonic_ns() - t0)
+            self._thread.submit(self._run, loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
-            failed = loop.create_future()
-            failed.set_exception(exc)
-            return failed
+            done.set_exception(exc)
+        return done
+
+    def _run(self, loop, done: asyncio.Future, batch: Batch, inputs, pad_count: PadCount, input_ns: int) -> None:
+        """On the instance's thread: run the batch, then hand the result (or the error) to the loop."""
+        try:
+            result, error = self._execute(batch, inputs, pad_count, input_ns), None
+        except Exception as exc:  # noqa: BLE001 - reported through the batch's future
+            result, error = None, exc
+        try:
+            loop.call_soon_threadsafe(_settle, done, result, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
 
     def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int) -> BatchResult:
         t1 = time.monotonic_ns()
@@ -83,3 +98,12 @@ class Worker:
     def close(self) -> None:
         self._thread.shutdown(wait=True)
         self.backend.unload()
+
+
+def _settle(done: asyncio.Future, result: BatchResult | None, error: Exception | None) -> None:
+    if done.done():  # cancelled while it ran
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)

@@ -36,36 +36,41 @@ def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, 
     """`read_shared(tensor, dtype, shape)`: the array of an input that names a shared memory region, or
     None when it names none. As Triton, raw_input_contents carry only the inputs not in shared memory, in order."""
     raw = request.raw_input_contents
-    typed = next((t.name for t in request.inputs if t.HasField("contents")), None) if raw else None
-    if typed is not None:  # Triton's words first: its example clients match on them
-        raise InvalidInputError(
-            f"contents field must not be specified when using raw_input_contents for {shown(typed)} for model "
-            f"{shown(request.model_name)}: send every input raw or every input typed"
-        )
-    inline = [t for t in request.inputs if shared_memory.REGION not in t.parameters]
-    if raw and len(raw) != len(inline):
-        raise InvalidInputError(
-            f"request has {len(inline)} inputs sent in the request but {len(raw)} raw_input_contents entries; send one "
-            "per input not in shared memory, in order"
-        )
+    sent = request.inputs  # read once: each access of a repeated field builds a new wrapper
+    if raw:
+        inline = 0
+        for t in sent:
+            if t.HasField("contents"):  # Triton's words first: its example clients match on them
+                raise InvalidInputError(
+                    f"contents field must not be specified when using raw_input_contents for {shown(t.name)} for model "
+                    f"{shown(request.model_name)}: send every input raw or every input typed"
+                )
+            if shared_memory.REGION not in t.parameters:
+                inline += 1
+        if len(raw) != inline:
+            raise InvalidInputError(
+                f"request has {inline} inputs sent in the request but {len(raw)} raw_input_contents entries; send one "
+                "per input not in shared memory, in order"
+            )
     inputs, index = {}, 0
-    for tensor in request.inputs:
-        if tensor.name in inputs:
-            raise InvalidInputError(f"input {shown(tensor.name)} appears twice in the request")
+    for tensor in sent:
+        name = tensor.name
+        if name in inputs:
+            raise InvalidInputError(f"input {shown(name)} appears twice in the request")
         dtype = datatypes.BY_API.get(tensor.datatype)
         if dtype is None:
             raise InvalidInputError(
-                f"input {shown(tensor.name)} has unknown datatype {shown(tensor.datatype)}; use one of {sorted(datatypes.BY_API)}"
+                f"input {shown(name)} has unknown datatype {shown(tensor.datatype)}; use one of {sorted(datatypes.BY_API)}"
             )
-        shape = tensors.checked_shape(tensor.name, tuple(tensor.shape))
+        shape = tensors.checked_shape(name, tuple(tensor.shape))
         from_region = read_shared(tensor, dtype, shape) if read_shared is not None else None
         if from_region is not None:
-            inputs[tensor.name] = from_region
+            inputs[name] = from_region
         elif raw:
-            inputs[tensor.name] = tensors.from_raw(tensor.name, dtype, shape, raw[index])
+            inputs[name] = tensors.from_raw(name, dtype, shape, raw[index])
             index += 1
         else:
-            inputs[tensor.name] = _from_typed(tensor, dtype, shape)
+            inputs[name] = _from_typed(tensor, dtype, shape)
     return inputs
 
 

@@ -128,16 +128,18 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
 
     async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
         mv = serving(self.registry, request.model_name, request.model_version, INFER)
-        infer = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
+        infer, counts = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
         targets = shm_rpc.output_targets(self.shared_memory, request)  # regions checked before any work
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
-        return codec.encode_response(request, mv.version, _classified(request, outputs, mv.signature), names, targets)
+        if counts:
+            outputs = classified(outputs, counts, mv.signature)
+        return codec.encode_response(request, mv.version, outputs, names, targets)
 
     async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
         """A decoupled model's responses to one request, each encoded as it comes."""
         mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
-        infer = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
+        infer, _ = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
         wanted = infer.requested_outputs or tuple(mv.signature.outputs)
         async with contextlib.aclosing(mv.runner.stream(infer)) as responses:
             async for outputs in responses:
@@ -145,27 +147,33 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None,
-            read_shared=None) -> InferRequest:
+            read_shared=None) -> tuple[InferRequest, dict[str, int]]:
+    """The checked request, and the outputs asked for as classes (output name -> k; a bad `classification`
+    is refused here, before any work)."""
     inputs = codec.decode_inputs(request, read_shared)
-    requested = tuple(o.name for o in request.outputs)
+    wanted = request.outputs
+    requested = tuple(o.name for o in wanted) if wanted else ()
     params = codec.decode_parameters(request.parameters)
     infer = infer_request(mv, inputs, requested, params, request.id, arrival_ns, remaining_s, _nbytes(request, inputs))
-    _class_counts(request, mv.signature)  # a bad `classification` is refused before any work
-    return infer
+    return infer, (_class_counts(wanted, mv.signature) if wanted else {})
 
 
 def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
     """The input data a queued request holds: raw contents are viewed in place; typed ones and those copied
     out of shared memory were decoded into arrays."""
-    if request.raw_input_contents:
-        copied = sum(inputs[t.name].nbytes for t in request.inputs if shm_rpc.REGION in t.parameters)
-        return sum(map(len, request.raw_input_contents)) + copied
+    raw = request.raw_input_contents
+    if raw:
+        total = sum(map(len, raw))
+        for t in request.inputs:
+            if shm_rpc.REGION in t.parameters:
+                total += inputs[t.name].nbytes
+        return total
     return sum(array.nbytes for array in inputs.values())
 
 
-def _class_counts(request: pb.ModelInferRequest, signature) -> dict[str, int]:
+def _class_counts(wanted, signature) -> dict[str, int]:
     return class_counts(((w.name, codec.decode_parameters(w.parameters))
-                         for w in request.outputs if "classification" in w.parameters), signature)
+                         for w in wanted if "classification" in w.parameters), signature)
 
 
 def class_counts(wanted, signature) -> dict[str, int]:
@@ -179,10 +187,6 @@ def class_counts(wanted, signature) -> dict[str, int]:
         if signature.outputs[name].datatype.api == "BYTES":
             raise InvalidInputError(f"output '{name}' is BYTES and cannot be classified")
     return counts
-
-
-def _classified(request: pb.ModelInferRequest, outputs: dict, signature) -> dict:
-    return classified(outputs, _class_counts(request, signature), signature)
 
 
 def classified(outputs: dict, counts: dict[str, int], signature) -> dict:

@@ -60,9 +60,10 @@ class SharedMemoryRpcs:
 
 
 def _placement(tensor) -> Placement | None:
-    if not any(key in tensor.parameters for key in (REGION, OFFSET, BYTE_SIZE)):
+    params = tensor.parameters
+    if not params or not (REGION in params or OFFSET in params or BYTE_SIZE in params):  # most tensors: none
         return None
-    return placement(tensor.name, codec.decode_parameters(tensor.parameters))
+    return placement(tensor.name, codec.decode_parameters(params))
 
 
 def input_reader(registry: SharedMemoryRegistry):

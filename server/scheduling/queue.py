@@ -151,6 +151,9 @@ class RequestQueue:
 
     def groups(self) -> list[Group]:
         """Non-empty groups, the one whose head is most urgent (highest level, then oldest) first."""
+        if len(self._groups) == 1:  # the usual case (one shape, one level): nothing to rank
+            (group,) = self._groups.values()
+            return [group] if group.head() is not None else []
         heads = [(g.head(), g) for g in self._groups.values()]
         live = sorted(((h.lane, h.sequence), g) for h, g in heads if h is not None)
         return [g for _, g in live]

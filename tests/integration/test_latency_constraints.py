@@ -54,6 +54,9 @@ def env(tmp_path_factory):
         gates[name] = Gate(repo / f"{name}.gate")
         builders.gated_model(repo, name, extra, gate=gates[name].path, max_batch_size=1)
     builders.gated_model(repo, "pair", "instance_group: [{count: 2, kind: KIND_CPU}]\n", barrier=True)
+    gates["late"] = Gate(repo / "late.gate")  # batches of up to 4; a request past its deadline still runs
+    builders.gated_model(repo, "late", "dynamic_batching: {default_queue_policy: {timeout_action: DELAY, "
+                         "default_timeout_microseconds: 20000}}\n", gate=gates["late"].path, max_batch_size=4)
     server = RunningServer(repo)
     yield server, gates
     server.stop()
@@ -172,3 +175,23 @@ def test_prometheus_counters_equal_model_statistics(env):
         assert failures == s.inference_stats.fail.count
         assert server.metric("nv_inference_queue_duration_us", **labels) == pytest.approx(s.inference_stats.queue.ns / 1000)
         assert server.metric("ferry_batch_size_count", **labels) == s.execution_count
+
+
+def test_a_batch_counts_each_request_once_in_queue_times_and_deadline_misses(env):
+    """Queue times and late runs are recorded once per dispatched batch: still one count per request."""
+    server, gates = env
+    held = send(server, "late", HOLD)
+    gates["late"].wait_running()
+    late = [send(server, "late", GO) for _ in range(3)]
+    server.wait_for_metric("nv_inference_pending_request_count", 3, model="late")
+    time.sleep(0.2)  # ten times their 20 ms timeout: they are past their deadline, whatever runs when
+    gates["late"].open()
+    for future in [held, *late]:
+        assert kserve.outputs(future.result())["Y"].shape == (1, 2)  # DELAY: run, late
+    s = stats(server, "late")
+    assert s.execution_count == 2 and [(b.batch_size, b.compute_infer.count) for b in s.batch_stats] == [(1, 1), (3, 1)]
+    assert s.inference_stats.queue.count == 4 and s.inference_stats.success.count == 4
+    assert server.metric("ferry_deadline_misses", model="late") == 3
+    assert server.metric("ferry_queue_duration_us_count", model="late") == 4
+    assert server.metric("ferry_request_duration_us_count", model="late") == 4
+    assert server.metric("ferry_batch_size_count", model="late") == 2
