@@ -12,10 +12,10 @@ The same holds, nearly, for a step whose decodes are few next to the prompts it 
 one decode for every `ONSET` of them. That is the onset of a burst: the server's first step caught
 only the requests that had arrived by then, and the next one has their few decodes beside the rest
 of the burst. Held to the target, the burst's prompts would go in target-sized chunks, each step
-repeating those decodes and the step's fixed cost, and the last prompt would start one or more
-hundreds of milliseconds later than had the first step caught the whole burst; unbounded, a handful
-of streams wait one long step once. A steady stream of arrivals never has that many prompts per
-decode, so there the target holds.
+repeating those decodes and the step's fixed cost, and the last prompt would start hundreds of
+milliseconds later (on the benchmark model) than had the first step caught the whole burst;
+unbounded, a handful of streams wait one long step once. A steady stream of arrivals rarely has that
+many prompts per decode, so there the target holds; a burst onto few running streams stalls them once.
 
 Past the onset the target costs time to first token by arithmetic, not by any ordering: every step
 repeats the decodes and the fixed cost, so with decodes-only cost D and target T a prompt gets T - D
@@ -104,6 +104,7 @@ class StepBudget:
     max_step_ms: float = 0.0  # 0: no target
     min_prefill_tokens: int = 32
     cost: StepCost | None = None
+    onset: int = ONSET  # 0: every step with a decode is held to the target
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -112,9 +113,9 @@ class StepBudget:
     def prefill_tokens(self, decoding: int, budget: int, starting: int = 0) -> int:
         """Prompt tokens a step with `decoding` one-token decodes may add, within the step's token
         `budget` (max_num_batched_tokens), when `starting` sequences could take a prompt chunk in it;
-        all of it when there is no target, no fit yet, or at most one decode per ONSET of those."""
+        all of it when there is no target, no fit yet, or at most one decode per `onset` of those."""
         room = budget - decoding
-        if self.max_step_ms <= 0 or decoding * ONSET <= starting:
+        if self.max_step_ms <= 0 or decoding == 0 or (self.onset and decoding * self.onset <= starting):
             return budget
         allowed = self.cost.tokens_within(self.max_step_ms)
         if allowed is None:

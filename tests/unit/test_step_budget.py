@@ -215,3 +215,11 @@ def test_a_small_step_after_a_larger_first_one_is_not_mistaken_for_a_stall():
     cost.observe(12, 11.0)  # one size seen: a line through 0, 0.92 ms a token, no fixed part
     cost.observe(3, 6.5)  # true cost 5 + 0.5 x 3; the line through 0 predicted 2.75, twice that is 5.5
     assert cost.line() == (pytest.approx(5.0), pytest.approx(0.5))  # counted as measured: the line is found
+
+
+def test_with_the_onset_rule_off_every_step_with_a_decode_is_held_to_the_target():
+    budget = StepBudget(max_step_ms=65.0, min_prefill_tokens=4, onset=0)
+    for tokens in (10, 300):
+        budget.cost.observe(tokens, 5.0 + 0.5 * tokens)
+    assert budget.prefill_tokens(2, 512, starting=100) == 120 - 2
+    assert budget.prefill_tokens(0, 512, starting=100) == 512  # no decode: nothing to hold it to
