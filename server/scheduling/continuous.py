@@ -13,8 +13,9 @@ so a resumed sequence is not evicted again at once. With prefix caching, a waiti
 admitted with the cached blocks of its longest cached prefix and `num_computed` past them: blocks
 and token budget are counted for the rest only (a resumed sequence often finds its own blocks).
 With a step-time target (`max_step_ms`, step_budget.py), prompt chunks get only what the target
-leaves after the step's decodes, judged by the step cost the runner measures and passes in
-(`observe_step`); this module reads no clock.
+leaves after the step's decodes (unless the decodes are few next to the prompts that could start:
+a burst's onset), judged by the step cost the runner measures and passes in (`observe_step`); this
+module reads no clock.
 Every token-level finish (eos, a stop token id, max_tokens, max_model_len) is decided here,
 in `postprocess`; the runner only adds text-level stops. eos and stop token ids end nothing within
 the first `min_tokens` tokens (the sampler also keeps them from being chosen there). With a
@@ -132,7 +133,7 @@ class ContinuousScheduler:
         entries: list[tuple[Sequence, int]] = []
         self.running.sort(key=lambda s: (s.priority, s.admitted))
         decoding = sum(1 for s in self.running if s.pending == 1)
-        prefill = self.step_budget.prefill_tokens(decoding, budget)  # tokens for prompt chunks, decodes apart
+        prefill = self.step_budget.prefill_tokens(decoding, budget, self._starting())  # for prompt chunks
         budget, prefill, preempted = self._schedule_running(entries, budget, prefill)
         if preempted:
             return StepPlan(entries)
@@ -142,6 +143,12 @@ class ContinuousScheduler:
         # Drafts are extra tokens like a prompt chunk's: they take what the step's target leaves.
         room = min(budget, prefill)
         return StepPlan(entries, self.speculator.draft(entries, room, self._reserve, self.settings.max_model_len))
+
+    def _starting(self) -> int:
+        """Sequences a prompt chunk could serve this step: running ones mid-prompt, and waiting ones up
+        to the free sequence slots (more waiting cannot be admitted now, so they gain nothing from it)."""
+        slots = max(0, self.settings.max_num_seqs - len(self.running))
+        return min(len(self._waiting), slots) + sum(1 for s in self.running if s.pending > 1)
 
     def _schedule_running(self, entries: list, budget: int, prefill: int) -> tuple[int, int, bool]:
         preempted = False

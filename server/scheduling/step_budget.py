@@ -8,12 +8,28 @@ with measured step times (this module reads no clock). A step with no decode in 
 inter-token latency to protect, so it is bounded only by `max_num_batched_tokens`; and a step always
 offers at least `min_prefill_tokens` to prompts, so they progress however tight the target.
 
+The same holds, nearly, for a step whose decodes are few next to the prompts it could start: at most
+one decode for every `ONSET` of them. That is the onset of a burst: the server's first step caught
+only the requests that had arrived by then, and the next one has their few decodes beside the rest
+of the burst. Held to the target, the burst's prompts would go in target-sized chunks, each step
+repeating those decodes and the step's fixed cost, and the last prompt would start hundreds of
+milliseconds later (on the benchmark model) than had the first step caught the whole burst;
+unbounded, a handful of streams wait one long step once. A steady stream of arrivals rarely has that
+many prompts per decode, so there the target holds; a burst onto few running streams stalls them once.
+
+Past the onset the target costs time to first token by arithmetic, not by any ordering: every step
+repeats the decodes and the fixed cost, so with decodes-only cost D and target T a prompt gets T - D
+of each step instead of nearly all of a long step, and the burst's last prompt starts about
+(T / (T - D)) / (S / (S - D)) times later than with no target (S: a step of max_num_batched_tokens).
+
 NOTE: the cost model is a line, step_ms = fixed + per_token * tokens, fitted by least squares over
 exponentially decayed past steps (recent steps count most, so it follows load and context growth).
 While every recent step had about the same size the slope cannot be told from the intercept; then
 the whole cost is charged per token (a line through 0), which overestimates the slope and so errs
 towards smaller chunks. One step is counted at most twice its predicted cost, so a lone stall (the
-machine busy elsewhere) does not cut every chunk to the minimum for the next dozen steps.
+machine busy elsewhere) does not cut every chunk to the minimum for the next dozen steps; while the
+line goes through 0, a step smaller than the average is predicted at the average step's cost (a line
+through 0 would charge it none of the fixed part and count its honest cost as a stall).
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from dataclasses import dataclass
 DECAY = 0.9  # weight of the past at each new step: about the last 10-20 steps shape the fit
 STALL = 2.0  # a step counts at most this many times its predicted cost: a real slowdown is still
 # followed within a few steps, a one-off stall moves the fit by a bounded amount
+ONSET = 4  # prompts waiting per decode from which a step is bounded by the token budget only
 _FLAT = 1.0  # tokens^2: a decayed variance of step sizes below this cannot fix a slope
 
 
@@ -43,14 +60,21 @@ class StepCost:
         if tokens <= 0 or not math.isfinite(ms) or ms < 0:
             return
         if self.fitted:  # a lone stall (another process took the cores) must not shrink chunks for many steps
-            fixed, per_token = self.line()
-            ms = min(ms, STALL * (fixed + per_token * tokens))
+            ms = min(ms, STALL * self._expected(tokens))
         d = self.decay
         self._w = d * self._w + 1
         self._x = d * self._x + tokens
         self._y = d * self._y + ms
         self._xx = d * self._xx + tokens * tokens
         self._xy = d * self._xy + tokens * ms
+
+    def _expected(self, tokens: int) -> float:
+        """The most a step of `tokens` can plausibly cost by the fit. A line through 0 (no fixed part
+        could be told apart yet) charges a small step none of the fixed part, which may be most of its
+        cost; so such a step is expected to cost up to what the average step did."""
+        fixed, per_token = self.line()
+        expected = fixed + per_token * tokens
+        return expected if fixed > 0 else max(expected, self._y / self._w)
 
     def line(self) -> tuple[float, float]:
         """(fixed_ms, per_token_ms) of the current fit; (0, 0) before any step was seen."""
@@ -80,16 +104,18 @@ class StepBudget:
     max_step_ms: float = 0.0  # 0: no target
     min_prefill_tokens: int = 32
     cost: StepCost | None = None
+    onset: int = ONSET  # 0: every step with a decode is held to the target
 
     def __post_init__(self) -> None:
         if self.cost is None:
             self.cost = StepCost()
 
-    def prefill_tokens(self, decoding: int, budget: int) -> int:
+    def prefill_tokens(self, decoding: int, budget: int, starting: int = 0) -> int:
         """Prompt tokens a step with `decoding` one-token decodes may add, within the step's token
-        `budget` (max_num_batched_tokens); all of it when there is no target, no decode or no fit yet."""
+        `budget` (max_num_batched_tokens), when `starting` sequences could take a prompt chunk in it;
+        all of it when there is no target, no fit yet, or at most one decode per `onset` of those."""
         room = budget - decoding
-        if self.max_step_ms <= 0 or decoding == 0:
+        if self.max_step_ms <= 0 or decoding == 0 or (self.onset and decoding * self.onset <= starting):
             return budget
         allowed = self.cost.tokens_within(self.max_step_ms)
         if allowed is None:

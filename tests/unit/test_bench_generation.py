@@ -1,8 +1,8 @@
-"""bench/generation.py's arithmetic bound on what a prefix cache can save, checked by hand."""
+"""bench/prefix.py's arithmetic bound on what a prefix cache can save, checked by hand."""
 
 from __future__ import annotations
 
-from bench.generation import fewest_computed
+from bench.prefix import fewest_computed
 
 
 def test_a_chat_turn_finds_at_most_the_full_blocks_computed_before_it():

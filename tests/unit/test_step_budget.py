@@ -153,3 +153,73 @@ def test_a_lone_stall_moves_the_fit_a_bounded_amount_while_a_lasting_slowdown_is
     for tokens in (10, 100) * 30:
         cost.observe(tokens, 3.0 * tokens)  # three times slower for good
     assert cost.line()[1] == pytest.approx(3.0, rel=0.05)
+
+
+@pytest.mark.parametrize("decoding, starting, expected", [
+    (2, 8, 512),  # one decode per 4 prompts that could start: the onset of a burst, the token budget only
+    (2, 7, 120 - 2),  # one prompt fewer: the target holds
+    (10, 1, 120 - 10),  # a steady arrival beside running streams: the target holds
+])
+def test_a_step_whose_decodes_are_few_next_to_the_prompts_that_could_start_is_not_held_to_the_target(
+        decoding, starting, expected):
+    budget = StepBudget(max_step_ms=65.0, min_prefill_tokens=4)
+    for tokens in (10, 300):
+        budget.cost.observe(tokens, 5.0 + 0.5 * tokens)  # 65 ms holds 120 tokens
+    assert budget.prefill_tokens(decoding, 512, starting) == expected
+
+
+def burst_onset(s: ContinuousScheduler, first: int, then: int) -> tuple[list[Sequence], list[Sequence]]:
+    """`first` prompts computed and decoding, fit formed (two step sizes), then `then` more arrive at once."""
+    early = [seq(4) for _ in range(first)]
+    for q in early:
+        s.submit(q)
+    step(s)  # their prompts
+    step(s)  # their decodes: a second step size, so the fit has a line
+    late = [seq(60) for _ in range(then)]
+    for q in late:
+        s.submit(q)
+    return early, late
+
+
+def test_the_rest_of_a_burst_goes_in_one_step_beside_the_few_streams_its_first_step_started():
+    s = scheduler(max_step_ms=65.0)  # 65 ms holds 120 tokens
+    early, late = burst_onset(s, first=2, then=8)
+    plan = step(s)
+    sizes = dict((q.seq_id, n) for q, n in plan.entries)
+    assert all(sizes[q.seq_id] == 1 for q in early)  # decodes still first, every one
+    assert all(sizes[q.seq_id] == 60 for q in late)  # 480 prompt tokens: far past the target's 118
+    assert all(q.num_output == 1 for q in late)  # every prompt of the burst has its first token
+    plan = step(s)  # now 10 streams decode and nobody waits: the target holds (nothing else to add)
+    assert plan.num_tokens == 10
+
+
+def test_past_the_onset_prompts_are_held_to_the_target_again():
+    s = scheduler(max_step_ms=65.0)
+    early, late = burst_onset(s, first=3, then=11)  # 11 prompts < 4 x 3 decodes
+    plan = step(s)
+    sizes = dict((q.seq_id, n) for q, n in plan.entries)
+    assert sum(sizes.get(q.seq_id, 0) for q in late) == 120 - 3  # what the target leaves, first come first
+    assert [sizes.get(q.seq_id, 0) for q in late[:3]] == [60, 57, 0]
+
+
+def test_prompts_beyond_the_free_sequence_slots_do_not_count_towards_an_onset():
+    s = scheduler(max_step_ms=65.0, max_seqs=4)
+    early, late = burst_onset(s, first=2, then=20)  # 20 waiting, but only 2 slots free
+    plan = step(s)
+    sizes = dict((q.seq_id, n) for q, n in plan.entries)
+    assert [sizes.get(q.seq_id, 0) for q in late[:3]] == [60, 58, 0]  # held to the target: 118 tokens
+
+
+def test_a_small_step_after_a_larger_first_one_is_not_mistaken_for_a_stall():
+    cost = StepCost()
+    cost.observe(12, 11.0)  # one size seen: a line through 0, 0.92 ms a token, no fixed part
+    cost.observe(3, 6.5)  # true cost 5 + 0.5 x 3; the line through 0 predicted 2.75, twice that is 5.5
+    assert cost.line() == (pytest.approx(5.0), pytest.approx(0.5))  # counted as measured: the line is found
+
+
+def test_with_the_onset_rule_off_every_step_with_a_decode_is_held_to_the_target():
+    budget = StepBudget(max_step_ms=65.0, min_prefill_tokens=4, onset=0)
+    for tokens in (10, 300):
+        budget.cost.observe(tokens, 5.0 + 0.5 * tokens)
+    assert budget.prefill_tokens(2, 512, starting=100) == 120 - 2
+    assert budget.prefill_tokens(0, 512, starting=100) == 512  # no decode: nothing to hold it to
