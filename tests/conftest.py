@@ -36,6 +36,21 @@ def wait_for(predicate, timeout_s: float = 60, what: str = "") -> None:
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what or predicate}")
 
 
+def until_preempted(server, model: str, round_, attempts: int = 6):
+    """Run `round_()` (concurrent streams to `model`, checked by the caller) until one round preempted.
+
+    Preemption needs a round's streams to hold the KV pool at once; a busy machine can stagger the threads
+    of one round so that each finishes before the next starts. Such a round is run again rather than
+    trusted, and the test still fails if no round of `attempts` ever preempts. Returns the preempting
+    round's results; every round's are correct or the caller's check fails on the next line anyway."""
+    for _ in range(attempts):
+        before = server.metric("ferry_preemptions_total", model=model) or 0.0
+        results = round_()
+        if (server.metric("ferry_preemptions_total", model=model) or 0.0) > before:
+            return results
+    raise AssertionError(f"no round of {attempts} preempted on model '{model}'")
+
+
 class RunningServer:
     """A `ferry serve` subprocess; its stdout is collected so tests can read what it printed."""
 
