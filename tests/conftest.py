@@ -42,7 +42,7 @@ def until_preempted(server, model: str, round_, attempts: int = 6):
     Preemption needs a round's streams to hold the KV pool at once; a busy machine can stagger the threads
     of one round so that each finishes before the next starts. Such a round is run again rather than
     trusted, and the test still fails if no round of `attempts` ever preempts. Returns the preempting
-    round's results; every round's are correct or the caller's check fails on the next line anyway."""
+    round's results, the ones the caller checks."""
     for _ in range(attempts):
         before = server.metric("ferry_preemptions_total", model=model) or 0.0
         results = round_()
