@@ -16,7 +16,7 @@ import pytest
 
 from protos import grpc_service_pb2 as pb
 from tests import builders, kserve
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, wait_for
 
 HOLD = np.array([[-1, -1]], np.float32)  # executions with a negative value wait for the gate
 GO = np.array([[1, 2]], np.float32)
@@ -184,7 +184,8 @@ def test_a_batch_counts_each_request_once_in_queue_times_and_deadline_misses(env
     gates["late"].wait_running()
     late = [send(server, "late", GO) for _ in range(3)]
     server.wait_for_metric("nv_inference_pending_request_count", 3, model="late")
-    time.sleep(0.2)  # ten times their 20 ms timeout: they are past their deadline, whatever runs when
+    queued = time.monotonic()  # all three arrived before this: their 20 ms deadlines end before queued + 0.02
+    wait_for(lambda: time.monotonic() - queued > 0.2, what="the queued requests' 20 ms deadlines to be well past")
     gates["late"].open()
     for future in [held, *late]:
         assert kserve.outputs(future.result())["Y"].shape == (1, 2)  # DELAY: run, late
