@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -34,6 +35,15 @@ def wait_for(predicate, timeout_s: float = 60, what: str = "") -> None:
             return
         time.sleep(0.02)
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what or predicate}")
+
+
+async def wait_for_async(predicate, timeout_s: float = 60, what: str = "") -> None:
+    """`wait_for` inside a running event loop: the poll yields to the loop, so the work it waits on runs."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what or predicate}")
+        await asyncio.sleep(0.005)
 
 
 def until_preempted(server, model: str, round_, attempts: int = 6):

@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from protos import model_config_pb2 as mc
+from tests.conftest import wait_for_async
 from server.assembly import Assembler
 from server.backends.base import Backend, Device
 from server.errors import BackendError, ModelUnavailableError
@@ -53,11 +54,7 @@ async def running() -> None:
 
 async def queued(r: ModelRunner, count: int) -> None:
     """Wait until `count` requests wait in the runner's scheduler."""
-    for _ in range(30_000):
-        if len(r.scheduler) == count:
-            return
-        await asyncio.sleep(0.001)
-    raise AssertionError(f"{len(r.scheduler)} requests queued, expected {count}")
+    await wait_for_async(lambda: len(r.scheduler) == count, 30, f"{count} requests queued")
 
 
 def runner(max_batch_size: int = 1) -> ModelRunner:
@@ -237,10 +234,8 @@ def test_the_loops_busy_share_reaches_the_adaptive_window():
         scheduler = DynamicBatcher(BatchingSettings(4, latency_target_ns=50_000_000), RequestQueue([QueuePolicy()]))
         r = ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None), loop_load=load)
         r.start()
-        deadline = time.monotonic() + 60  # a state, not a duration: the first measured intervals
-        while load.intervals < 3:  # the loop must pass through select() (idle) for LoopLoad to measure
-            assert time.monotonic() < deadline, "LoopLoad measured no interval in 60 s"
-            await asyncio.sleep(0.01)
+        # A state, not a duration: the loop must pass through select() (idle) for LoopLoad to measure.
+        await wait_for_async(lambda: load.intervals >= 3, 60, "LoopLoad to measure three intervals")
         await r.infer(request(1))
         seen = scheduler.window.frontend_busy
         await r.close(grace_s=10)
