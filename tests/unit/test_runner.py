@@ -9,7 +9,6 @@ import time
 import numpy as np
 
 from protos import model_config_pb2 as mc
-from tests.conftest import wait_for_async
 from server.assembly import Assembler
 from server.backends.base import Backend, Device
 from server.errors import BackendError, ModelUnavailableError
@@ -20,6 +19,7 @@ from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
 from server.scheduling.queue import QueuePolicy, RequestQueue
 from server.signature import Signature
 from server.worker import Worker
+from tests.conftest import wait_for_async
 
 
 class HeldEcho(Backend):
