@@ -182,12 +182,7 @@ class ModelRunner(RunnerBase):
             return
         outcome = Outcome([(batch, running.result())])
         try:
-            done = time.monotonic_ns()
-            try:
-                self.scheduler.complete(batch, _instance_ns(outcome), done)
-            except Exception:  # the instance and the answers must not be lost with it
-                log.exception("model '%s': the scheduler failed to take back a batch", self.name)
-            self._release(worker, done)
+            self._give_back(worker, batch, outcome)
         finally:
             self._answer(batch, outcome)
 
@@ -210,13 +205,17 @@ class ModelRunner(RunnerBase):
         try:
             outcome = await run_isolated(run, batch, self._unexpected)
         finally:
-            done = time.monotonic_ns()
-            try:
-                self.scheduler.complete(batch, _instance_ns(outcome), done)
-            except Exception:  # the instance and the answers must not be lost with it
-                log.exception("model '%s': the scheduler failed to take back a batch", self.name)
-            self._release(worker, done)
+            self._give_back(worker, batch, outcome)
         self._answer(batch, outcome)
+
+    def _give_back(self, worker: Worker, batch: Batch, outcome: Outcome | None) -> None:
+        """The batch's instance time to the scheduler, then the instance to the pool."""
+        done = time.monotonic_ns()
+        try:
+            self.scheduler.complete(batch, _instance_ns(outcome), done)
+        except Exception:  # the instance and the answers must not be lost with it
+            log.exception("model '%s': the scheduler failed to take back a batch", self.name)
+        self._release(worker, done)
 
     def _answer(self, batch: Batch, outcome: Outcome) -> None:
         if outcome.reruns:
