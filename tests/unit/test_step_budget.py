@@ -79,13 +79,20 @@ def test_no_target_or_no_fit_leaves_the_token_budget_alone():
     assert StepBudget(50.0).prefill_tokens(10, 512) == 512  # nothing measured yet
 
 
+def decoding(s: ContinuousScheduler, count: int) -> list[Sequence]:
+    """`count` short prompts computed and decoding: two steps (their prompts, then their decodes), so the
+    cost fit has two step sizes and a line."""
+    streams = [seq(4) for _ in range(count)]
+    for q in streams:
+        s.submit(q)
+    step(s)
+    step(s)
+    return streams
+
+
 def test_chunks_keep_the_predicted_step_within_the_target_and_every_decode_runs():
     s = scheduler(max_step_ms=65.0)
-    decoders = [seq(4) for _ in range(10)]
-    for q in decoders:
-        s.submit(q)
-    step(s)  # their prompts; the first step has no decode, so nothing bounds it but the token budget
-    step(s)  # ten decodes: a second step size, so the fit finds the line
+    decoders = decoding(s, 10)  # the first step had no decode: nothing bounded it but the token budget
     long = seq(1000)
     s.submit(long)
     chunks = []
@@ -100,11 +107,7 @@ def test_chunks_keep_the_predicted_step_within_the_target_and_every_decode_runs(
 
 def test_a_target_tighter_than_the_decodes_still_moves_prompts_by_the_minimum():
     s = scheduler(max_step_ms=10.0, min_prefill=8)
-    decoders = [seq(4) for _ in range(30)]
-    for q in decoders:
-        s.submit(q)
-    step(s)
-    step(s)
+    decoding(s, 30)
     waiting = seq(20)
     s.submit(waiting)
     plan = step(s)
@@ -116,11 +119,7 @@ def test_a_target_tighter_than_the_decodes_still_moves_prompts_by_the_minimum():
 
 def test_several_prompts_share_one_step_allowance():
     s = scheduler(max_step_ms=65.0)
-    decoders = [seq(4) for _ in range(10)]
-    for q in decoders:
-        s.submit(q)
-    step(s)
-    step(s)
+    decoding(s, 10)
     a, b = seq(70), seq(70)
     s.submit(a)
     s.submit(b)
@@ -133,11 +132,7 @@ def test_several_prompts_share_one_step_allowance():
 
 def test_without_a_target_the_plan_is_what_the_token_budget_alone_gives():
     s = scheduler(max_step_ms=0.0)
-    decoders = [seq(4) for _ in range(10)]
-    for q in decoders:
-        s.submit(q)
-    step(s)
-    step(s)
+    decoding(s, 10)
     long = seq(1000)
     s.submit(long)
     plan = step(s)
@@ -170,11 +165,7 @@ def test_a_step_whose_decodes_are_few_next_to_the_prompts_that_could_start_is_no
 
 def burst_onset(s: ContinuousScheduler, first: int, then: int) -> tuple[list[Sequence], list[Sequence]]:
     """`first` prompts computed and decoding, fit formed (two step sizes), then `then` more arrive at once."""
-    early = [seq(4) for _ in range(first)]
-    for q in early:
-        s.submit(q)
-    step(s)  # their prompts
-    step(s)  # their decodes: a second step size, so the fit has a line
+    early = decoding(s, first)
     late = [seq(60) for _ in range(then)]
     for q in late:
         s.submit(q)
