@@ -244,17 +244,24 @@ def render(rows: list[dict], limits: Limits, concurrencies: list[int]) -> str:
     ]
     c = 64 if 64 in concurrencies else concurrencies[-1]
     for family in MODELS:
-        at_c = [r for r in rows if r["model"] == family and r["concurrency"] == c]
-        fixed = [r for r in at_c if r["policy"].startswith("fixed")]
-        adaptive = [r for r in at_c if r["policy"].startswith("adaptive")]
-        if not fixed or not adaptive:
+        if (pair := best_fixed_and_adaptive(rows, family, c)) is None:
             continue
-        best = max(fixed, key=lambda r: r["throughput_rps"])
+        best, adaptive = pair
         key = "vs_raw" if family == "heavy" else "vs_floor"
-        parts.append(f"- {family}, concurrency {c}: adaptive {key} = {adaptive[0][key]}, best fixed window "
+        parts.append(f"- {family}, concurrency {c}: adaptive {key} = {adaptive[key]}, best fixed window "
                      f"({best['policy']}) {key} = {best[key]}")
     parts += ["", margin_table(rows, concurrencies)]
     return "\n".join(parts)
+
+
+def best_fixed_and_adaptive(rows: list[dict], family: str, concurrency: int) -> tuple[dict, dict] | None:
+    """The fixed window with the most requests/s at this point and the adaptive row; None if either is missing."""
+    at = [r for r in rows if r["model"] == family and r["concurrency"] == concurrency]
+    fixed = [r for r in at if r["policy"].startswith("fixed")]
+    adaptive = [r for r in at if r["policy"].startswith("adaptive")]
+    if not fixed or not adaptive:
+        return None
+    return max(fixed, key=lambda r: r["throughput_rps"]), adaptive[0]
 
 
 def margin_table(rows: list[dict], concurrencies: list[int]) -> str:
@@ -267,18 +274,15 @@ def margin_table(rows: list[dict], concurrencies: list[int]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for family, (_, _, _, target) in MODELS.items():
         for conc in concurrencies:
-            at = [r for r in rows if r["model"] == family and r["concurrency"] == conc]
-            fixed = [r for r in at if r["policy"].startswith("fixed")]
-            mine = [r for r in at if r["policy"].startswith("adaptive")]
-            if not fixed or not mine:
+            if (pair := best_fixed_and_adaptive(rows, family, conc)) is None:
                 continue
-            best = max(fixed, key=lambda r: r["throughput_rps"])
+            best, mine = pair
             top = max(best["throughput_rps"], 1e-9)
-            ratio = mine[0]["throughput_rps"] / top
-            spread = "/".join(f"{float(v) / top:.2f}" for v in mine[0]["runs"].split("/"))
-            verdict = "ok" if ratio >= 0.97 and mine[0]["p99_ms"] <= target else "MISS"
-            lines.append(f"| {family} | {conc} | {best['policy']} | {ratio:.3f} | {spread} | {mine[0]['p99_ms']} "
-                         f"| {mine[0]['server_ms']} | {target} | {verdict} |")
+            ratio = mine["throughput_rps"] / top
+            spread = "/".join(f"{float(v) / top:.2f}" for v in mine["runs"].split("/"))
+            verdict = "ok" if ratio >= 0.97 and mine["p99_ms"] <= target else "MISS"
+            lines.append(f"| {family} | {conc} | {best['policy']} | {ratio:.3f} | {spread} | {mine['p99_ms']} "
+                         f"| {mine['server_ms']} | {target} | {verdict} |")
     return "\n".join(lines)
 
 if __name__ == "__main__":
