@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 
 from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
+from server.event_loop import AUTO as AUTO_LOOP
+from server.event_loop import name as loop_name
 from server.exposition import MetricsServer
 from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
 from server.generation_metrics import GenerationFamilies
@@ -55,6 +57,7 @@ class ServerConfig:
     load_models: frozenset[str] | None = None  # explicit mode: the models loaded at start ('*': all)
     frontend_processes: int = 1  # >= 2: that many processes serve gRPC on the port (server/frontend/)
     frontend_arena_bytes: int = DEFAULT_ARENA_BYTES  # shared memory per front-end process for tensors
+    event_loop: str = AUTO_LOOP  # the loop front-end processes run on (server/event_loop.py); the caller picks this one's
 
 
 @dataclass(slots=True)
@@ -84,6 +87,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
     prom = CollectorRegistry()
     server_budget, model_bytes = byte_budgets(config)
+    log.info("event loop: %s", loop_name(asyncio.get_running_loop()))
     loop_load = LoopLoad(asyncio.get_running_loop())  # the front end's load, for adaptive windows and /metrics
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes,
                             loop_load=loop_load)
@@ -98,7 +102,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     group, rpc_options = None, config.rpc
     if config.frontend_processes > 1:
         group = FrontendGroup(config.frontend_processes, config.rpc, config.tokens, config.drain_grace_s,
-                              config.frontend_arena_bytes, registry, gate, stop.set)
+                              config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set)
         rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
     rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, config.server_name, refused, regions)),
                                   generation_service(GenerationServicer(registry))], interceptors)

@@ -23,7 +23,7 @@ DEFAULT_ARENA_BYTES = 64 * 2**20  # per front end: half for requests, half for a
 
 
 class FrontendGroup:
-    def __init__(self, count: int, rpc: RpcOptions, tokens: Tokens, grace_s: float, arena_bytes: int,
+    def __init__(self, count: int, rpc: RpcOptions, tokens: Tokens, grace_s: float, arena_bytes: int, loop: str,
                  registry: Registry, drain: Drain, on_failed):
         self.folder = Path(tempfile.mkdtemp(prefix="ferry-"))  # 0700: only this user reaches the engine's sockets
         self.engine_socket = self.folder / "engine.sock"
@@ -37,7 +37,7 @@ class FrontendGroup:
             "tls_key": _path(rpc.tls_key), "tls_ca": _path(rpc.tls_ca),
             "auth": [t.decode() for t in tokens.inference], "admin": [t.decode() for t in tokens.admin],
             "door": str(self.door.path), "engine": str(self.engine_socket), "arena_bytes": arena_bytes,
-            "drain_grace_s": grace_s, "log_level": logging.getLevelName(logging.getLogger().level),
+            "drain_grace_s": grace_s, "log_level": logging.getLevelName(logging.getLogger().level), "event_loop": loop,
         }
         self.frontends = Frontends(count, spec, self.door, on_failed)
 

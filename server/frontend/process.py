@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from server import event_loop
 from server.frontend.arena import Arena
 from server.frontend.infer import METHOD, EngineLink, FrontInfer
 from server.frontend.proxy import Relay
@@ -57,6 +58,7 @@ def _bind(server: grpc.aio.Server, spec: dict) -> int:
 
 async def serve(spec: dict) -> int:
     loop = asyncio.get_running_loop()
+    log.info("front end %d: event loop: %s", spec["index"] + 1, event_loop.name(loop))
     engine_lost, stop, grace = asyncio.Event(), asyncio.Event(), [spec["drain_grace_s"]]
 
     def on_stop(grace_s: float) -> None:
@@ -110,7 +112,7 @@ async def _drain(server: grpc.aio.Server, gate: DrainGate, grace_s: float) -> No
 def main() -> None:
     spec = json.load(sys.stdin)
     logging.basicConfig(level=spec["log_level"], format=f"%(asctime)s %(levelname)s %(name)s[{spec['index']}]: %(message)s")
-    raise SystemExit(asyncio.run(serve(spec)))
+    raise SystemExit(event_loop.run(serve(spec), spec["event_loop"]))
 
 
 if __name__ == "__main__":

@@ -234,7 +234,7 @@ def test_the_loops_busy_share_reaches_the_adaptive_window():
         scheduler = DynamicBatcher(BatchingSettings(4, latency_target_ns=50_000_000), RequestQueue([QueuePolicy()]))
         r = ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None), loop_load=load)
         r.start()
-        # A state, not a duration: the loop must pass through select() (idle) for LoopLoad to measure.
+        # A state, not a duration: LoopLoad measures on its own timer, between the loop's other callbacks.
         await wait_for_async(lambda: load.intervals >= 3, 60, "LoopLoad to measure three intervals")
         await r.infer(request(1))
         seen = scheduler.window.frontend_busy
