@@ -19,7 +19,9 @@ Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script 
    light MLP served with --frontend-processes 1, 2, 4, 8 (up to half the cores), closed loop at concurrency
    128 from cores/4 load-generator processes, 2 interleaved rounds of 5 s: req/s and the ratio to N=1 for
    each N, and the engine's loop busy fraction; FAIL if any request failed. On fewer than 8 cores it runs
-   N=1 and 2 only, labelled "few cores: direction only".
+   N=1 and 2 only, labelled "few cores: direction only". Every N runs on uvloop (the default); one more
+   server, N=1 on asyncio's own loop (--event-loop asyncio), shows what uvloop buys where the one loop is
+   the limit and spare cores take the load generator.
 Checks 5 and 6 run on the CPU with a tiny model where there is no CUDA, labelled "cpu dry run", so this
 machine exercises their code; 2-4 need CUDA and say SKIP. With --record the lines go to bench/RESULTS.md.
 """
@@ -243,7 +245,8 @@ def check_frontends(tmp: Path) -> Outcome:
     label = "front-end processes" + ("" if cores >= 8 else " (few cores: direction only)")
     args = argparse.Namespace(concurrency=128, clients=max(2, cores // 4), duration=5.0, rounds=2)
     try:
-        runs = frontends.sweep(frontends.build(tmp / "frontends"), {f"N={n}": (n, None) for n in counts}, args)
+        systems = {**{f"N={n}": (n, None) for n in counts}, "N=1 asyncio": (1, None, "asyncio")}
+        runs = frontends.sweep(frontends.build(tmp / "frontends"), systems, args)
     except (RuntimeError, OSError) as exc:  # a server that did not start is this check's failure, not the script's
         return Outcome(label, "FAIL", f"{type(exc).__name__}: {exc}")
     base = statistics.median(p["rps"] for p in runs["N=1"])

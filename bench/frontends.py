@@ -1,6 +1,6 @@
 """Front-end processes: where one event loop saturates, and what `--frontend-processes N` does past it.
 
-    python -m bench.frontends [--processes 1,2] [--rates 250,500,1000,2000,4000] [--concurrency 64]
+    python -m bench.frontends [--processes 1,2] [--rates 250,500,1000,2000,4000] [--concurrency 64] [--asyncio]
                               [--clients 2] [--duration 5] [--rounds 3] [--baseline /path/to/other/checkout] [--record]
 
 Two parts, one run, on the light MLP (256-1024x3-16, batch-1 requests, a fixed 8 ms window: the model
@@ -16,7 +16,7 @@ whose cost is the gRPC side, bench/models.py):
    connection always lands on one front end), rounds interleaved, medians kept, ratios against the first.
    The engine's main thread is sampled too: with N >= 2 it only batches and runs the link. With
    --baseline, another checkout's one-process server is run in the same rounds (the cost of this code at
-   N=1: it must stay within 5%).
+   N=1: it must stay within 5%); with --asyncio, one process on asyncio's own loop (the rest run on uvloop).
 
 The load generator needs CPU too: on a 2-core machine it competes with the server's processes, so N=2
 there shows the direction, not the scaling; on a 16-core machine give it --clients 4 or more.
@@ -63,10 +63,12 @@ def loop_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
-def start(kind: str, repo: Path, processes: int = 1, root: Path | None = None) -> tuple[subprocess.Popen, str]:
+def start(kind: str, repo: Path, processes: int = 1, root: Path | None = None,
+          loop: str = "auto") -> tuple[subprocess.Popen, str]:
     if kind == "floor":
         return common.start_server([sys.executable, "-m", "bench.floor_server", "0"])
-    cmd = common.ferry_command(repo, "--frontend-processes", str(processes))
+    cmd = common.ferry_command(repo, "--frontend-processes", str(processes),
+                               *(("--event-loop", loop) if loop != "auto" else ()))
     if root is None:
         return common.start_server(cmd)
     # another checkout (--baseline): its own code, the same flags but the new one
@@ -149,7 +151,8 @@ def drive(pool: ProcessPoolExecutor, address: str, concurrency: int, clients: in
 
 
 def sweep(repo: Path, systems: dict[str, tuple], args) -> dict[str, list[dict]]:
-    servers = {name: start("ferry", repo, n, root) for name, (n, root) in systems.items()}
+    """`systems`: name -> (front-end processes, another checkout or None[, event loop])."""
+    servers = {name: start("ferry", repo, *system) for name, system in systems.items()}
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     try:
         with ProcessPoolExecutor(args.clients) as pool:
@@ -201,6 +204,8 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=5.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--baseline", type=Path, help="another Ferry checkout whose one-process server joins the sweep")
+    p.add_argument("--asyncio", action="store_true",
+                   help="also run one process on asyncio's own loop (--event-loop asyncio): what uvloop buys")
     p.add_argument("--skip-saturation", action="store_true")
     p.add_argument("--record", action="store_true", help="append the tables to bench/RESULTS.md")
     args = p.parse_args()
@@ -208,6 +213,8 @@ def main() -> None:
     systems = {f"N={n}": (int(n), None) for n in args.processes.split(",")}
     if args.baseline is not None:
         systems = {"baseline N=1": (1, args.baseline.resolve()), **systems}
+    if args.asyncio:
+        systems["N=1 asyncio"] = (1, None, "asyncio")
     with tempfile.TemporaryDirectory() as tmp:
         repo = build(Path(tmp))
         rows = [] if args.skip_saturation else [r for kind in ("floor", "ferry") for r in saturation(kind, repo, rates, args.duration)]
