@@ -29,12 +29,13 @@ def build_tokenizer(folder: Path, vocab_size: int = 320) -> int:
 
 
 def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int = 2, max_positions: int = 512,
-                attention_scale: float = 1.0, **overrides) -> Path:
+                attention_scale: float = 1.0, random_biases: bool = False, **overrides) -> Path:
     """Save a random `family` model (llama, mistral, qwen2 or qwen3) with transformers' save_pretrained,
     and a tokenizer; `overrides` go to the config (head_dim, sliding_window, rope_parameters...).
     `attention_scale` multiplies every attention output projection: 0 makes the next token a function of
     the current one alone, so greedy output soon loops (drafts from earlier output get accepted); a
-    little above 0 keeps it looping with breaks that depend on the context."""
+    little above 0 keeps it looping with breaks that depend on the context. `random_biases`: transformers
+    starts every bias at zero, where a model that ignored them would still match; this draws them at random."""
     import torch
     import transformers
 
@@ -55,6 +56,11 @@ def build_model(folder: Path, family: str = "llama", seed: int = 0, layers: int 
     config = config_cls(**{**common, **defaults, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).eval()
+    if random_biases:
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                    module.bias.normal_(0.0, 0.5)
     if attention_scale != 1.0:
         with torch.no_grad():
             for layer in model.model.layers:

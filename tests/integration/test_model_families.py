@@ -33,7 +33,8 @@ FAMILIES = {  # name: (family, config overrides); head_dim 24 or 32 where hidden
     "qwen3_window": ("qwen3", dict(head_dim=24, attention_bias=True, use_sliding_window=True, sliding_window=WINDOW,
                                    max_window_layers=1)),
     "llama3_rope": ("llama", dict(rope_parameters=LLAMA3_ROPE)),
-    "llama_bias": ("llama", dict(attention_bias=True, head_dim=32)),  # q/k/v and o_proj biases
+    # q/k/v, o_proj and gate/up/down biases, drawn at random (transformers starts them at zero)
+    "llama_bias": ("llama", dict(attention_bias=True, mlp_bias=True, head_dim=32, random_biases=True)),
 }
 NO_WINDOW = {  # the same checkpoints loaded without their window, for the references that must differ
     "mistral_window": dict(sliding_window=None),

@@ -32,6 +32,7 @@ class LlamaArgs:
     max_position: int
     attention_bias: bool  # q/k/v projections carry a bias (always in Qwen2, never in Mistral)
     output_bias: bool  # o_proj carries one too (Llama and Qwen3 with attention_bias)
+    mlp_bias: bool  # gate/up/down projections carry a bias (Llama's `mlp_bias`; never in the others)
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k, before rotary embedding
     sliding_window: int | None  # None when no layer slides
     sliding_layers: tuple[bool, ...]  # per layer: attends only to the last `sliding_window` positions
@@ -63,7 +64,8 @@ class LlamaArgs:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
             rope_scaling=rope if rope and rope.get("rope_type", rope.get("type")) not in (None, "default") else None,
             max_position=raw.get("max_position_embeddings", 2048),
-            attention_bias=bias, output_bias=bias and kind in ("llama", "qwen3"), qk_norm=kind == "qwen3",
+            attention_bias=bias, output_bias=bias and kind in ("llama", "qwen3"),
+            mlp_bias=kind == "llama" and bool(raw.get("mlp_bias", False)), qk_norm=kind == "qwen3",
             sliding_window=window, sliding_layers=sliding, eos_token_ids=eos,
             dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         )
