@@ -89,7 +89,8 @@ class ContinuousScheduler:
         limit = self.settings.max_model_len
         if seq.num_tokens >= limit:
             raise InvalidInputError(f"prompt has {seq.num_tokens} tokens; max_model_len is {limit}")
-        needed = self.pool.blocks_for(min(seq.num_tokens + seq.sampling.max_tokens, limit))
+        step = self.settings.max_num_batched_tokens
+        needed = self.pool.peak_blocks(min(seq.num_tokens + seq.sampling.max_tokens, limit), step)
         if needed > self.pool.num_blocks:
             raise InvalidInputError(
                 f"prompt plus max_tokens needs {needed} KV blocks but the pool has {self.pool.num_blocks}; "
@@ -224,6 +225,7 @@ class ContinuousScheduler:
                 continue
             seq.num_computed += n
             self.pool.cache_full_blocks(seq)
+            self.pool.release_passed(seq)
             token = sampled.get(seq.seq_id)
             if token is None:
                 continue
@@ -251,6 +253,7 @@ class ContinuousScheduler:
         # model's own choice, fed next step), or every token up to a finish that cut the kept drafts.
         seq.num_computed = min(seq.num_tokens, fed + len(tokens))
         self.pool.cache_full_blocks(seq)
+        self.pool.release_passed(seq)
         if reason is not None:
             self.finish(seq, reason)
             return True

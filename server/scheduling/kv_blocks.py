@@ -9,6 +9,14 @@ only full blocks whose every token is computed are ever named (prefix_cache.py) 
 sequence only writes at or after its `num_computed`, so a shared block is never written. A block
 is exactly one of: referenced, free, or idle (unreferenced but holding a named prefix, reused on a
 hit or evicted least recently used when the free list is empty). `check` asserts all of it.
+
+NOTE (sliding windows): when every layer of the model attends only to the last `window` positions
+(Mistral), no future query can read a key before position num_computed - window + 1, so the blocks
+wholly before it are given back as the sequence advances (`release_passed`), and a sequence holds about
+window + one step's tokens however long it grows, as in vLLM. A block table stays positional: entry i
+covers positions [i * block_size, (i + 1) * block_size), and a given-back entry holds RELEASED. A named
+block given back is parked like any other, so a later prompt with the same prefix still finds it.
+A model that mixes full and sliding layers keeps every block (its full layers read them all).
 """
 
 from __future__ import annotations
@@ -19,13 +27,18 @@ from server.scheduling.prefix_cache import PrefixCache, prefix_hashes
 from server.scheduling.sequence import Sequence
 
 
+RELEASED = -1  # a block-table entry whose block was given back: its positions left every layer's window
+
+
 class KVBlockPool:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, window: int | None = None):
+        """`window`: the sliding window when every layer slides (blocks behind it are given back); None otherwise."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.window = window
         self._free: deque[int] = deque(range(num_blocks))
         self._refs = [0] * num_blocks
         self.cache = PrefixCache()
@@ -41,6 +54,14 @@ class KVBlockPool:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def peak_blocks(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks one sequence of `num_tokens` ever holds at once, fed at most `step_tokens` a step:
+        all of them, unless blocks behind the window are given back (window + a step, over one more block
+        where they straddle a boundary)."""
+        if self.window is None:
+            return self.blocks_for(num_tokens)
+        return min(self.blocks_for(num_tokens), self.blocks_for(self.window - 1 + step_tokens) + 1)
 
     def extra_blocks(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks `seq` still needs so that its cache can hold `num_tokens` tokens."""
@@ -111,6 +132,26 @@ class KVBlockPool:
         seq.block_hashes.extend(names)
 
     # ------------------------------------------------------------ release
+    def release_passed(self, seq: Sequence) -> int:
+        """Give back the blocks no future query of `seq` can see (sliding windows only); how many."""
+        if self.window is None:
+            return 0
+        first_visible = seq.num_computed - self.window + 1  # the next query sits at num_computed
+        released = 0
+        for i in range(min(max(0, first_visible) // self.block_size, len(seq.block_table))):
+            block = seq.block_table[i]
+            if block != RELEASED:
+                self._drop(block)
+                seq.block_table[i] = RELEASED
+                released += 1
+        return released
+
+    def _drop(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] < 0:
+            raise AssertionError(f"block {block} freed more often than it was taken")
+        if self._refs[block] == 0 and not self.cache.park(block):
+            self._free.append(block)
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back `seq`'s blocks past those holding `num_tokens` tokens (rejected speculative drafts'
         room). They lie past `num_computed`, so they are neither shared nor named."""
@@ -128,11 +169,8 @@ class KVBlockPool:
         # Last block first: the deepest blocks of a prefix become least recently used, so they are
         # evicted before the blocks they depend on (a child without its parent can never be hit).
         for block in reversed(seq.block_table):
-            self._refs[block] -= 1
-            if self._refs[block] < 0:
-                raise AssertionError(f"block {block} freed more often than it was taken")
-            if self._refs[block] == 0 and not self.cache.park(block):
-                self._free.append(block)
+            if block != RELEASED:
+                self._drop(block)
         seq.block_table = []
         seq.block_hashes = []
 
@@ -140,8 +178,9 @@ class KVBlockPool:
         """Allocated-but-unfilled token slots / allocated slots, over the given sequences."""
         allocated = filled = 0
         for seq in sequences:
-            allocated += len(seq.block_table) * self.block_size
-            filled += min(seq.num_computed, len(seq.block_table) * self.block_size)
+            released = seq.block_table.count(RELEASED) * self.block_size
+            allocated += len(seq.block_table) * self.block_size - released
+            filled += min(seq.num_computed, len(seq.block_table) * self.block_size) - released
         return (allocated - filled) / allocated if allocated else 0.0
 
     def check(self, sequences=None) -> None:
@@ -161,9 +200,14 @@ class KVBlockPool:
     def _check_tables(self, sequences) -> None:
         counts = [0] * self.num_blocks
         for seq in sequences:
-            assert len(set(seq.block_table)) == len(seq.block_table), f"sequence {seq.seq_id} holds a block twice"
+            held = [b for b in seq.block_table if b != RELEASED]
+            assert len(set(held)) == len(held), f"sequence {seq.seq_id} holds a block twice"
             computed_blocks = seq.num_computed // self.block_size
             for i, block in enumerate(seq.block_table):
+                if block == RELEASED:
+                    assert self.window is not None and (i + 1) * self.block_size <= seq.num_computed - self.window + 1, \
+                        f"sequence {seq.seq_id} gave back block {i}, which a query can still see"
+                    continue
                 counts[block] += 1
                 if self._refs[block] > 1:
                     assert i < computed_blocks, f"sequence {seq.seq_id} can write shared block {block}"

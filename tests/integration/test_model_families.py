@@ -58,8 +58,9 @@ def env(tmp_path_factory):
     window = repo / "mistral_window" / "1"
     shutil.copytree(window, repo / "chunks" / "1")  # a long prompt in chunks of at most 12 tokens
     (repo / "chunks" / "config.yaml").write_text(llm_builders.llm_config(max_num_batched_tokens=12))
-    shutil.copytree(window, repo / "tight" / "1")  # a KV pool too small for everyone at once
-    (repo / "tight" / "config.yaml").write_text(llm_builders.llm_config(num_kv_blocks=40, max_num_batched_tokens=64))
+    # A KV pool too small for everyone at once, though each sequence gives back the blocks behind its window
+    shutil.copytree(window, repo / "tight" / "1")
+    (repo / "tight" / "config.yaml").write_text(llm_builders.llm_config(num_kv_blocks=20, max_num_batched_tokens=64))
     server = RunningServer(repo)
     yield server, repo
     server.stop()
@@ -131,6 +132,17 @@ def test_preemption_under_a_sliding_window_loses_nothing(env):
     results = until_preempted(server, "tight", lambda: run_concurrently(server, "tight", cases))
     for (prompt, n), got in zip(cases, results):
         assert got == reference(repo, "tight", prompt, n)
+    server.wait_for_metric("ferry_kv_blocks_used", 0, model="tight")
+
+
+def test_a_sequence_longer_than_the_kv_pool_runs_when_every_layer_slides(env):
+    """20 blocks of 4 tokens hold 80; this sequence grows to 150. Every layer of the Mistral slides, so
+    the blocks behind its window are given back as it goes (before that, it was refused at submit)."""
+    server, repo = env
+    rng = random.Random(8)
+    prompt, n = [rng.randrange(2, 300) for _ in range(30)], 120
+    got = generate(server, "tight", prompt, n)
+    assert got == reference(repo, "tight", prompt, n)
     server.wait_for_metric("ferry_kv_blocks_used", 0, model="tight")
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from server.errors import InvalidInputError, QueueFullError
 from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
-from server.scheduling.kv_blocks import KVBlockPool
+from server.scheduling.kv_blocks import RELEASED, KVBlockPool
 from server.scheduling.sequence import SamplingParams, Sequence, SeqStatus
 
 _ids = iter(range(10**6))
@@ -204,3 +204,66 @@ def test_postprocess_finishes_at_max_model_len():
         plan = s.schedule()
         finished = s.postprocess(plan, {q.seq_id: 7})
     assert q.num_tokens == 5 and q.finish_reason == "length" and s.pool.num_used == 0
+
+
+# ------------------------------------------------------------ sliding windows: blocks behind the window
+def windowed(blocks=64, block_size=4, window=8, budget=32, prefix_caching=False, max_len=1024):
+    settings = ContinuousSettings(8, budget, max_len, 100, 0)
+    return ContinuousScheduler(settings, KVBlockPool(blocks, block_size, prefix_caching, window=window))
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_blocks_behind_the_window_are_given_back_as_a_sequence_decodes(prefix_caching):
+    """A 200-token sequence on a window of 8 never holds more than the blocks its window and one step span;
+    every given-back entry lies wholly behind the window, and every block is counted once (pool.check)."""
+    s = windowed(prefix_caching=prefix_caching)
+    q = seq(40, max_tokens=160)
+    s.submit(q)
+    most = 0
+    while q.status is not SeqStatus.FINISHED:
+        step(s)
+        s.pool.check(s.running)
+        live = sum(1 for b in q.block_table if b != RELEASED)
+        most = max(most, live)
+        if q.status is SeqStatus.RUNNING and q.num_computed >= 40:  # decoding: window + the next token
+            assert live <= s.pool.blocks_for(8) + 1
+    assert most <= s.pool.peak_blocks(200, 32)
+    assert s.pool.num_used == 0  # the rest given back at the end (named ones parked, counted as free)
+
+
+def test_a_sequence_longer_than_the_pool_is_admitted_only_where_blocks_are_given_back():
+    long = dict(prompt_len=20, max_tokens=200)  # 220 tokens: 55 blocks of 4, on a pool of 16
+    with pytest.raises(InvalidInputError, match="KV blocks"):
+        scheduler(blocks=16).submit(seq(**long))
+    s = windowed(blocks=16)
+    q = seq(**long)
+    s.submit(q)
+    for _ in range(400):
+        if q.status is SeqStatus.FINISHED:
+            break
+        step(s)
+    assert q.finish_reason == "length" and q.num_output == 200 and s.preemptions == 0
+
+
+def test_a_prefix_given_back_behind_the_window_is_still_found_by_the_next_prompt():
+    s = windowed(prefix_caching=True, budget=64)
+    first = seq(40, max_tokens=2)
+    s.submit(first)
+    step(s)  # the whole prompt in one step
+    assert first.block_table[:8] == [RELEASED] * 8  # behind the window once the prompt is computed
+    second = seq(40, max_tokens=2)  # the same 40 prompt tokens
+    assert len(s.pool.match(second)) == 9  # every full block but the one holding the last token
+
+
+def test_preemption_with_given_back_blocks_recomputes_and_counts_right():
+    s = windowed(blocks=10, budget=16)
+    seqs = [seq(4, max_tokens=40) for _ in range(6)]  # admitted on one block each, then each grows to 3-4
+    for q in seqs:
+        s.submit(q)
+    for _ in range(400):
+        if all(q.status is SeqStatus.FINISHED for q in seqs):
+            break
+        step(s)
+        s.pool.check(s.running)
+    assert s.preemptions >= 1
+    assert all(q.num_output == 40 for q in seqs) and s.pool.num_used == 0

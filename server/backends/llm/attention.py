@@ -57,6 +57,7 @@ def build_group(starts: list[int], lengths: list[int], computed: list[int], tabl
     for i, blocks in enumerate(tables):
         used = blocks[:blocks_max]
         table[i, : len(used)] = torch.tensor(used, dtype=torch.long)
+    table.clamp_(min=0)  # blocks given back behind a window (-1): no key there is gathered (see `first`)
     key_pos = torch.tensor(first).unsqueeze(1) + torch.arange(c_max)  # [S, C] positions of the gathered keys
     key_valid = key_pos < torch.tensor(ctx_lens).unsqueeze(1)
     key_pos = torch.where(key_valid, key_pos, torch.zeros_like(key_pos))

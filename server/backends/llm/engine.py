@@ -102,6 +102,11 @@ class LLMBackend(Backend):
                  self.device, str(self.dtype).removeprefix("torch."), self.num_kv_blocks, self.settings.block_size,
                  f", sliding window {self.args.sliding_window}" if self.args.sliding_window else "")
 
+    @property
+    def released_window(self) -> int | None:
+        """The window behind which KV blocks can be given back: only when every layer slides."""
+        return self.args.sliding_window if all(self.args.sliding_layers) else None
+
     def _dtype(self) -> torch.dtype:
         chosen = self.settings.dtype
         if chosen == "auto":
@@ -160,7 +165,7 @@ class LLMBackend(Backend):
             ids.extend(drafts)
             pos = np.arange(first, first + n)
             positions.append(pos)
-            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)  # where each new K/V goes
+            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)  # where each new K/V goes (live blocks)
             (decode if n == 1 else verify if drafts else prefill).append((start, n, first, seq.block_table))
             if first + n == seq.num_tokens + len(drafts):
                 for j in range(len(drafts) + 1):  # the choice after the pending token and after each draft
