@@ -7,7 +7,9 @@ Both engines run in process (scheduler + `LLMBackend.step`, no gRPC), each with 
 `context` tokens; once the prompts are in, rounds of 8 decode steps alternate between the two and
 the median step time of each is kept. When every layer slides, a decode gathers only the last
 `window` keys, so its step time should stay flat as the context grows while full attention's grows:
-the figure is full / windowed step time at each context. Appended to bench/RESULTS.md.
+the figure is full / windowed step time at each context. Beside it, the KV blocks each engine holds
+at the end: the windowed one gives back the blocks behind its window (kv_blocks.py), the full one keeps
+every sequence's whole length. Appended to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ class Engine:
         self.backend = LLMBackend(config, folder / "config.json", Device("cpu"))
         self.backend.load()
         settings = ContinuousSettings(max_num_seqs=seqs, max_num_batched_tokens=2048, max_model_len=self.backend.max_model_len)
-        self.scheduler = ContinuousScheduler(settings, KVBlockPool(blocks, 16, prefix_caching=False))
+        pool = KVBlockPool(blocks, 16, prefix_caching=False, window=self.backend.released_window)
+        self.scheduler = ContinuousScheduler(settings, pool)
         for i in range(seqs):
             prompt = [2 + (i * 7919 + j * 104729) % 2000 for j in range(context)]
             self.scheduler.submit(Sequence(i, prompt, context, SamplingParams(max_tokens=10**6, ignore_eos=True)))
@@ -87,8 +90,10 @@ def measure(windowed: Path, full: Path, context: int, seqs: int, rounds: int) ->
         for name, engine in engines.items():
             times[name] += engine.timed_round()
     medians = {name: statistics.median(t) * 1000 for name, t in times.items()}
+    held = {name: engine.scheduler.pool.num_used for name, engine in engines.items()}
     return {"context": context, "windowed step (ms)": f"{medians['window']:.1f}", "full step (ms)": f"{medians['full']:.1f}",
-            "full / windowed": f"{medians['full'] / medians['window']:.2f}"}
+            "full / windowed": f"{medians['full'] / medians['window']:.2f}",
+            "KV blocks held, windowed / full": f"{held['window']} / {held['full']}"}
 
 
 def main() -> None:
