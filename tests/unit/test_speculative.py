@@ -58,11 +58,11 @@ def model(history: list[int]) -> int:
     return (last * 5 + len(history)) % 13 + 2 if len(history) % 7 == 0 else (last * 3 + 1) % 11 + 2
 
 
-def run(seqs: list[Sequence], speculate: int = 0, blocks=64, block_size=4, budget=32, caching=True):
+def run(seqs: list[Sequence], speculate: int = 0, blocks=64, block_size=4, budget=32, caching=True, window=None):
     """Serve `seqs` to the end with `model`; check the pool after every step; return the scheduler."""
     speculator = Speculator(SpeculativeSettings(speculate, 3, 1)) if speculate else None
     s = ContinuousScheduler(ContinuousSettings(8, budget, 256, 100, 0, frozenset({1})),
-                            KVBlockPool(blocks, block_size, caching), speculator)
+                            KVBlockPool(blocks, block_size, caching, window=window), speculator)
     for q in seqs:
         s.submit(q)
     while s.running or s.num_waiting:
@@ -104,6 +104,18 @@ def test_outputs_equal_one_token_a_step_and_drafts_are_accepted(k):
     assert all(q.num_output == q.sampling.max_tokens for q in drafted)
     stats = s.speculator.stats
     assert 0 < stats.accepted_tokens < stats.draft_tokens  # some kept, some rejected
+
+
+def test_drafts_under_a_sliding_window_give_back_only_blocks_behind_it():
+    """Rejected drafts trim blocks at the end while the window gives back blocks at the start: the pool's
+    check (every given-back entry wholly behind the window, every count right) holds after every step."""
+    plain, drafted = requests(5, 6, max_tokens=60), requests(5, 6, max_tokens=60)
+    run(plain)
+    s = run(drafted, speculate=3, blocks=24, window=6)
+    assert [q.output_ids for q in drafted] == [q.output_ids for q in plain]
+    assert s.speculator.stats.accepted_tokens > 0
+    assert s.preemptions == 0  # 24 blocks hold six 60-80-token sequences only because blocks go back
+    assert run(requests(5, 6, max_tokens=60), speculate=3, blocks=24).preemptions > 0  # as without a window
 
 
 def test_stop_ids_and_eos_end_exactly_where_they_would_without_drafts():
