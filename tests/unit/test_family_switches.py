@@ -33,6 +33,7 @@ def test_qwen3_normalises_q_and_k_and_reads_its_own_head_dim(tmp_path):
 def test_biases_follow_each_family(tmp_path, kind, bias, output_bias):
     a = args(tmp_path, model_type=kind)
     assert (a.attention_bias, a.output_bias, a.qk_norm, a.head_dim) == (bias, output_bias, False, 16)
+    assert args(tmp_path, model_type=kind, mlp_bias=True).mlp_bias == (kind == "llama")  # Llama's switch only
 
 
 def test_which_layers_slide(tmp_path):
@@ -56,6 +57,9 @@ def test_which_layers_slide(tmp_path):
      "sliding_attention"),
     ({"model_type": "mistral", "sliding_window": 0}, "sliding_window must be a positive integer"),
     ({"model_type": "gemma3"}, "supported: llama, mistral, qwen2, qwen3"),
+    ({"model_type": "llama", "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor 0.25"),
 ])
 def test_configs_refused_with_the_reason(tmp_path, raw, words):
     with pytest.raises(ConfigError, match=words):

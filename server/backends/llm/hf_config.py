@@ -54,6 +54,10 @@ class LlamaArgs:
         eos = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         rope = raw.get("rope_scaling") or raw.get("rope_parameters")
         theta = raw.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        partial = raw.get("partial_rotary_factor", (rope or {}).get("partial_rotary_factor", 1.0))
+        if partial != 1.0:  # transformers' Llama family rotates every dimension of a head, and so does Ferry
+            raise ConfigError(f"{path}: partial_rotary_factor {partial!r} is not supported (rotary embedding covers "
+                              "the whole head_dim in the Llama family)")
         window, sliding = _sliding_layers(raw, kind, path)
         bias = {"qwen2": True, "mistral": False}.get(kind, bool(raw.get("attention_bias", False)))
         return cls(
