@@ -96,19 +96,23 @@ class KVBlockPool:
 
     def can_admit(self, seq: Sequence, num_tokens: int, hit: list[int], margin: int = 0) -> bool:
         """Like `can_hold` for a waiting sequence that starts with the `hit` blocks: only the blocks past
-        them are new, but an idle hit block stops counting as free once it is referenced."""
-        revived = sum(1 for block in hit if self.cache.is_idle(block))
+        them are new, but an idle hit block stops counting as free once it is referenced (hit blocks
+        already behind the window are never referenced: `admit`)."""
+        revived = sum(1 for block in self._visible(hit) if self.cache.is_idle(block))
         return self.blocks_for(num_tokens) - len(hit) + revived + margin <= self.num_free
 
     def admit(self, seq: Sequence, num_tokens: int, hit: list[int]) -> None:
-        """Give a waiting sequence (no blocks yet) the `hit` blocks, then room up to `num_tokens`."""
+        """Give a waiting sequence (no blocks yet) the `hit` blocks, then room up to `num_tokens`. Hit
+        blocks that lie behind the window of its first query stay where they are, as RELEASED entries:
+        a long cached prompt is resumed with a window's worth of blocks, not its whole length."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already holds {len(seq.block_table)} KV blocks")
-        for block in hit:
+        visible = self._visible(hit)
+        for block in visible:
             if self._refs[block] == 0:
                 self.cache.revive(block)
             self._refs[block] += 1
-        seq.block_table = list(hit)
+        seq.block_table = [RELEASED] * (len(hit) - len(visible)) + visible
         seq.block_hashes = prefix_hashes(seq.token_ids, self.block_size, len(hit))
         self.allocate(seq, num_tokens)
         stats = self.cache.stats
@@ -131,14 +135,21 @@ class KVBlockPool:
             self.cache.register(block, name)
         seq.block_hashes.extend(names)
 
+    def _passed(self, num_computed: int) -> int:
+        """How many leading blocks no query at or after position `num_computed` can see (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def _visible(self, hit: list[int]) -> list[int]:
+        """The `hit` blocks a sequence resuming after them can still see."""
+        return hit[self._passed(len(hit) * self.block_size):]
+
     # ------------------------------------------------------------ release
     def release_passed(self, seq: Sequence) -> int:
         """Give back the blocks no future query of `seq` can see (sliding windows only); how many."""
-        if self.window is None:
-            return 0
-        first_visible = seq.num_computed - self.window + 1  # the next query sits at num_computed
         released = 0
-        for i in range(min(max(0, first_visible) // self.block_size, len(seq.block_table))):
+        for i in range(min(self._passed(seq.num_computed), len(seq.block_table))):
             block = seq.block_table[i]
             if block != RELEASED:
                 self._drop(block)
@@ -205,8 +216,7 @@ class KVBlockPool:
             computed_blocks = seq.num_computed // self.block_size
             for i, block in enumerate(seq.block_table):
                 if block == RELEASED:
-                    assert self.window is not None and (i + 1) * self.block_size <= seq.num_computed - self.window + 1, \
-                        f"sequence {seq.seq_id} gave back block {i}, which a query can still see"
+                    assert i < self._passed(seq.num_computed), f"sequence {seq.seq_id} gave back block {i}, which a query can still see"
                     continue
                 counts[block] += 1
                 if self._refs[block] > 1:

@@ -267,3 +267,26 @@ def test_preemption_with_given_back_blocks_recomputes_and_counts_right():
         s.pool.check(s.running)
     assert s.preemptions >= 1
     assert all(q.num_output == 40 for q in seqs) and s.pool.num_used == 0
+
+
+def test_a_long_cached_prompt_resumes_with_a_windows_worth_of_blocks():
+    """A 40-token prompt's blocks are named, given back and parked. The same prompt again hits 9 of them
+    but references only those inside the window of its first query, so the rest stay free for others."""
+    s = windowed(blocks=12, prefix_caching=True, budget=64)
+    first = seq(40, max_tokens=2)
+    s.submit(first)
+    while first.status is not SeqStatus.FINISHED:
+        step(s)
+    again = seq(40, max_tokens=8)
+    assert len(s.pool.match(again)) == 9
+    s.submit(again)
+    plan = s.schedule()  # admission
+    assert [(q.seq_id, n) for q, n in plan.entries] == [(again.seq_id, 4)]  # 36 cached, the last 4 computed
+    assert again.block_table[:7] == [RELEASED] * 7  # never referenced: behind the window of position 36
+    assert s.pool.num_used == 3  # hit blocks 7-8 and a new one (reviving all 9 hits would have taken 10)
+    assert s.pool.cache.stats.hit_tokens == 36
+    s.postprocess(plan, {again.seq_id: 7})
+    while again.status is not SeqStatus.FINISHED:
+        step(s)
+        s.pool.check(s.running)
+    assert again.num_output == 8 and s.pool.num_used == 0
