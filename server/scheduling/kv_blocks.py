@@ -15,7 +15,8 @@ NOTE (sliding windows): when every layer of the model attends only to the last `
 wholly before it are given back as the sequence advances (`release_passed`), and a sequence holds about
 window + one step's tokens however long it grows, as in vLLM. A block table stays positional: entry i
 covers positions [i * block_size, (i + 1) * block_size), and a given-back entry holds RELEASED. A named
-block given back is parked like any other, so a later prompt with the same prefix still finds it.
+block given back is parked like any other, so a later prompt with the same prefix still finds it, and
+is admitted referencing only the hit blocks inside its own window (`admit`).
 A model that mixes full and sliding layers keeps every block (its full layers read them all).
 """
 
