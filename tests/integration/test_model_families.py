@@ -60,7 +60,7 @@ def env(tmp_path_factory):
     (repo / "chunks" / "config.yaml").write_text(llm_builders.llm_config(max_num_batched_tokens=12))
     # A KV pool too small for everyone at once, though each sequence gives back the blocks behind its window
     shutil.copytree(window, repo / "tight" / "1")
-    (repo / "tight" / "config.yaml").write_text(llm_builders.llm_config(num_kv_blocks=20, max_num_batched_tokens=64))
+    (repo / "tight" / "config.yaml").write_text(llm_builders.llm_config(num_kv_blocks=12, max_num_batched_tokens=16))
     server = RunningServer(repo)
     yield server, repo
     server.stop()
@@ -136,7 +136,7 @@ def test_preemption_under_a_sliding_window_loses_nothing(env):
 
 
 def test_a_sequence_longer_than_the_kv_pool_runs_when_every_layer_slides(env):
-    """20 blocks of 4 tokens hold 80; this sequence grows to 150. Every layer of the Mistral slides, so
+    """12 blocks of 4 tokens hold 48; this sequence grows to 150. Every layer of the Mistral slides, so
     the blocks behind its window are given back as it goes (before that, it was refused at submit)."""
     server, repo = env
     rng = random.Random(8)
