@@ -4,11 +4,21 @@ It decodes the input into a numpy view and answers a fixed 16-float output: the 
 second any Python server can answer on this machine, the ceiling Ferry's light-model figure is
 measured against. It runs on the event loop Ferry runs on by default (server/event_loop.py), so the
 floor is as low as Ferry's own loop allows.
+
+    python -m bench.floor_server [PORT] [--batched]
+
+`--batched`: each request waits for an answer handed back from a worker thread, one hand-back for all
+the requests that queued while the thread was busy: the hop any batching server makes (a future per
+request, a thread, one call_soon_threadsafe per batch), with nothing else. bench/hotpath.py runs it
+beside the plain floor to tell that hop's cost from the rest of Ferry's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import queue
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -30,9 +40,47 @@ class Floor(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
 
-async def main(port: int) -> None:
+class BatchedFloor(Floor):
+    """The floor behind a batching hop: requests queue while the worker thread holds a batch."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__()
+        self.loop = loop
+        self.queued: list[asyncio.Future] = []
+        self.busy = False
+        self.batches: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._worker, daemon=True).start()
+
+    def _worker(self) -> None:
+        while True:
+            batch = self.batches.get()
+            self.loop.call_soon_threadsafe(self._answer, batch)
+
+    def _answer(self, batch: list[asyncio.Future]) -> None:
+        for future in batch:
+            if not future.done():
+                future.set_result(self.output)
+        self.busy = False
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self.queued and not self.busy:
+            self.busy = True
+            batch, self.queued = self.queued, []
+            self.batches.put(batch)
+
+    async def ModelInfer(self, request, context):
+        future = self.loop.create_future()
+        self.queued.append(future)
+        self._dispatch()
+        await future
+        return await super().ModelInfer(request, context)
+
+
+async def main(port: int, batched: bool) -> None:
     server = grpc.aio.server()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(Floor(), server)
+    floor = BatchedFloor(asyncio.get_running_loop()) if batched else Floor()
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(floor, server)
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     print(f"ferry: serving gRPC on 127.0.0.1:{bound}\nferry: ready", flush=True)
@@ -40,4 +88,5 @@ async def main(port: int) -> None:
 
 
 if __name__ == "__main__":
-    event_loop.run(main(int(sys.argv[1]) if len(sys.argv) > 1 else 0))
+    numbers = [a for a in sys.argv[1:] if a.isdigit()]
+    event_loop.run(main(int(numbers[0]) if numbers else 0, "--batched" in sys.argv[1:]))

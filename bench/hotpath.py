@@ -1,7 +1,7 @@
 """Server CPU per request on the light model: Ferry against the bare grpc.aio handler, same run.
 
     python -m bench.hotpath [--requests 6000] [--rounds 5] [--concurrency 64] [--window-us 1000]
-                            [--max-batch 128] [--baseline COMMIT] [--profile 20] [--no-record]
+                            [--max-batch 128] [--baseline COMMIT] [--hop] [--profile 20] [--no-record]
 
 On an overhead-bound model Ferry's throughput is set by the CPU its event loop spends per request, so
 that is what this measures, and not requests/s: CPU seconds per served request do not move when other
@@ -21,6 +21,10 @@ requests, so the figure depends on the batch sizes formed; the mean executed bat
 rounds: a before/after of a change. Because the batch sizes formed move with the speed of each server,
 `--concurrency 8 --max-batch 8 --window-us 100000` (every batch exactly 8, cut by its eighth arrival)
 compares the code's cost per request and per batch without that feedback.
+
+`--hop`: a third server, the floor behind a batching hop (bench/floor_server.py --batched: a future per
+request, a worker thread, one hand-back per batch): how much of Ferry's cost above the floor any batching
+server pays, and how much is Ferry's own code.
 
 `--profile N`: afterwards, serve Ferry under cProfile (main thread: the event loop), drive the same
 load once, and print the N functions with the most own time, per request.
@@ -46,7 +50,7 @@ import numpy as np
 from bench import common, models, peers
 from clients import loadgen
 
-FERRY, FLOOR, BASELINE = "Ferry", "floor", "Ferry baseline"
+FERRY, FLOOR, BASELINE, HOP = "Ferry", "floor", "Ferry baseline", "floor + batching hop"
 MODEL = "light"
 
 
@@ -110,7 +114,7 @@ def measure(servers: dict, load: list[bytes], args: argparse.Namespace) -> dict[
         k = r % len(names)
         for name in names[k:] + names[:k]:
             proc, address = servers[name]
-            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name != FLOOR))
+            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name in (FERRY, BASELINE)))
         print(f"hotpath: round {r + 1}: " + "  ".join(
             f"{n}: loop {runs[n][-1]['loop_us']:.0f} us, process {runs[n][-1]['process_us']:.0f} us" for n in names), flush=True)
     return runs
@@ -128,7 +132,8 @@ def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
         batch = f"{median([x['batch'] for x in found]):.1f}" if "batch" in found[0] else ""
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {batch} | {median([x['rps'] for x in found]):.0f} |")
     lines.append("")
-    pairs = [(FERRY, FLOOR)] + ([(BASELINE, FLOOR), (FERRY, BASELINE)] if BASELINE in runs else [])
+    pairs = [(FERRY, FLOOR)] + ([(BASELINE, FLOOR), (FERRY, BASELINE)] if BASELINE in runs else []) + (
+        [(HOP, FLOOR), (FERRY, HOP)] if HOP in runs else [])
     for top, bottom in pairs:
         for key, label in (("loop_us", "event loop CPU per request"), ("process_us", "whole process CPU per request"),
                            ("rps", "requests/s")):
@@ -196,6 +201,8 @@ def measure_all(repo: Path, load: list[bytes], args: argparse.Namespace, tmp: Pa
     try:
         servers[FERRY] = common.start_server(common.ferry_command(repo))
         servers[FLOOR] = common.start_server([sys.executable, "-m", "bench.floor_server", "0"])
+        if args.hop:
+            servers[HOP] = common.start_server([sys.executable, "-m", "bench.floor_server", "0", "--batched"])
         if args.baseline:
             servers[BASELINE] = start_baseline(args.baseline, repo, Path(tmp))
         for _, address in servers.values():  # warm both: first calls, ONNX Runtime's first runs
@@ -221,6 +228,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=128)
     parser.add_argument("--baseline", metavar="COMMIT",
                         help="also serve Ferry as of this git commit (e.g. main) in the same rounds: before/after")
+    parser.add_argument("--hop", action="store_true",
+                        help="also run the floor behind a batching hop (bench/floor_server.py --batched)")
     parser.add_argument("--profile", type=int, default=0, help="then profile Ferry's loop and print this many functions")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
