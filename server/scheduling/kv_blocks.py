@@ -148,14 +148,16 @@ class KVBlockPool:
 
     # ------------------------------------------------------------ release
     def release_passed(self, seq: Sequence) -> int:
-        """Give back the blocks no future query of `seq` can see (sliding windows only); how many."""
+        """Give back the blocks no future query of `seq` can see (sliding windows only); how many.
+        Given-back entries always form a prefix of the table, so this walks back from the window's edge
+        to the last one given back: a block or two a step, however long the sequence."""
         released = 0
-        for i in range(min(self._passed(seq.num_computed), len(seq.block_table))):
-            block = seq.block_table[i]
-            if block != RELEASED:
-                self._drop(block)
-                seq.block_table[i] = RELEASED
-                released += 1
+        i = min(self._passed(seq.num_computed), len(seq.block_table)) - 1
+        while i >= 0 and seq.block_table[i] != RELEASED:
+            self._drop(seq.block_table[i])
+            seq.block_table[i] = RELEASED
+            released += 1
+            i -= 1
         return released
 
     def _drop(self, block: int) -> None:
@@ -164,6 +166,7 @@ class KVBlockPool:
             raise AssertionError(f"block {block} freed more often than it was taken")
         if self._refs[block] == 0 and not self.cache.park(block):
             self._free.append(block)
+
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back `seq`'s blocks past those holding `num_tokens` tokens (rejected speculative drafts'
         room). They lie past `num_computed`, so they are neither shared nor named."""
@@ -214,6 +217,8 @@ class KVBlockPool:
         for seq in sequences:
             held = [b for b in seq.block_table if b != RELEASED]
             assert len(set(held)) == len(held), f"sequence {seq.seq_id} holds a block twice"
+            assert seq.block_table[len(seq.block_table) - len(held):] == held, \
+                f"sequence {seq.seq_id}: given-back entries are not a prefix of its table"
             computed_blocks = seq.num_computed // self.block_size
             for i, block in enumerate(seq.block_table):
                 if block == RELEASED:
