@@ -37,13 +37,14 @@ def wait_for(predicate, timeout_s: float = 60, what: str = "") -> None:
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what or predicate}")
 
 
-async def wait_for_async(predicate, timeout_s: float = 60, what: str = "") -> None:
-    """`wait_for` inside a running event loop: the poll yields to the loop, so the work it waits on runs."""
+async def wait_for_async(predicate, timeout_s: float = 60, what: str = "", poll_s: float = 0.005) -> None:
+    """`wait_for` inside a running event loop: the poll yields to the loop, so the work it waits on runs.
+    `poll_s`: the pause between checks (a loop that must look idle while it waits wants few wake-ups)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what or predicate}")
-        await asyncio.sleep(0.005)
+        await asyncio.sleep(poll_s)
 
 
 def until_preempted(server, model: str, round_, attempts: int = 6):
