@@ -114,7 +114,7 @@ def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_st
     settings = generation_settings(entry.config.generation, backend.max_model_len, backend.num_kv_blocks,
                                    frozenset(backend.eos_token_ids), source=name)
     pool = KVBlockPool(backend.num_kv_blocks, backend.settings.block_size, settings.enable_prefix_caching,
-                       getattr(backend, "released_window", None))
+                       backend.released_window)
     speculative = speculative_settings(entry.config)
     scheduler = ContinuousScheduler(settings.continuous, pool, Speculator(speculative) if speculative else None)
     return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens,
