@@ -83,10 +83,17 @@ class ModelRunner(RunnerBase):
         try:
             outputs = await request.future
         except asyncio.CancelledError:
-            if self.scheduler.cancel(request):
+            now = time.monotonic_ns()
+            # gRPC cancels a call when its deadline passes, at times a hair before the queue's own timer
+            # would have expired it: still queued past its deadline is a deadline miss either way.
+            queued = self.scheduler.cancel(request)
+            missed = queued and request.expired(now)
+            if queued:
                 self._wake.set()
+            if missed:
+                self.stats.record_deadline_miss()
             self._finish(request, lambda: None)  # never blocks later answers behind a vanished caller
-            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="CANCELED")
+            self.stats.record_done(now - request.arrival_ns, ok=False, reason="REJECTED" if missed else "CANCELED")
             raise
         except FerryError as exc:
             reason = "BACKEND" if not isinstance(exc, DeadlineExceededError) else "REJECTED"
