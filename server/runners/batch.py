@@ -33,6 +33,11 @@ from server.worker import BatchResult, Worker
 
 log = logging.getLogger(__name__)
 _FAR_FUTURE_NS = 10**18
+# A gRPC caller's deadline clock starts when it sends, ours when the call arrives, so a caller gives up
+# (and its cancellation reaches us) up to a transit time before the deadline we hold, often before the
+# queue's timer fires (uvloop's timers have millisecond grain). A queued call cancelled this close to its
+# deadline was cancelled by it, and counts as a deadline miss, as the timer would have counted it.
+_CALLER_CLOCK_LEAD_NS = 10_000_000
 
 
 class ModelRunner(RunnerBase):
@@ -84,10 +89,8 @@ class ModelRunner(RunnerBase):
             outputs = await request.future
         except asyncio.CancelledError:
             now = time.monotonic_ns()
-            # gRPC cancels a call when its deadline passes, at times a hair before the queue's own timer
-            # would have expired it: still queued past its deadline is a deadline miss either way.
             queued = self.scheduler.cancel(request)
-            missed = queued and request.expired(now)
+            missed = queued and request.expired(now + _CALLER_CLOCK_LEAD_NS)
             if queued:
                 self._wake.set()
             if missed:
