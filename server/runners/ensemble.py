@@ -4,11 +4,15 @@ An ensemble owns no instances and no scheduler. Each step is an ordinary request
 model, found through the registry when the request runs (so a reloaded step model is picked up and
 an unloaded one fails only the requests that need it) and queued on that model's runner, where it
 batches with everyone else's requests to the same model. Tensors move between steps by name as the
-config's `input_map` / `output_map` say; a failing step fails the request with the step named.
+config's `input_map` / `output_map` say. A step starts as soon as its inputs exist, so independent
+branches (two encoders of one input, say) run at the same time and a request costs its longest path,
+not the sum of its steps, as in Triton's ensemble scheduler. A failing step fails the request at once,
+with the step named; its siblings still queued or running are cancelled (they leave their queues).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Callable, Protocol
 
@@ -30,6 +34,7 @@ class StepModel(Protocol):
     runner: Runner
 
 
+Step = mc.ModelEnsembling.Step
 StepLookup = Callable[[str, str], StepModel]  # (model name, version or "") -> a ready model, or raises
 
 
@@ -64,11 +69,7 @@ class EnsembleRunner(RunnerBase):
         self._admit_check()
         self._in_flight += 1
         try:
-            tensors = dict(request.inputs)
-            for number, step in zip(self.step_numbers, self.steps):
-                outputs = await self._run_step(number, step, request, tensors)
-                for step_output, tensor in step.output_map.items():
-                    tensors[tensor] = outputs[step_output]
+            tensors = await self._walk(request)
         except FerryError as exc:
             self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="BACKEND")
             raise exc
@@ -79,7 +80,29 @@ class EnsembleRunner(RunnerBase):
         self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return {name: tensors[name] for name in self.outputs}
 
-    async def _run_step(self, number: int, step: mc.ModelEnsembling.Step, request: InferRequest,
+    async def _walk(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """Every step once, each started when its inputs exist; returns every tensor the steps made."""
+        tensors = dict(request.inputs)
+        waiting = list(zip(self.step_numbers, self.steps))
+        running: dict[asyncio.Future, Step] = {}
+        try:
+            while waiting or running:
+                ready = [item for item in waiting if _has_inputs(item[1], tensors)]
+                waiting = [item for item in waiting if not _has_inputs(item[1], tensors)]
+                if len(ready) == 1 and not running:  # a chain's next link: no task needed
+                    number, step = ready[0]
+                    _keep(step, await self._run_step(number, step, request, tensors), tensors)
+                    continue
+                for number, step in ready:
+                    running[asyncio.ensure_future(self._run_step(number, step, request, tensors))] = step
+                finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    _keep(running.pop(task), task.result(), tensors)  # a failed step raises here
+        finally:
+            await _cancel(running)
+        return tensors
+
+    async def _run_step(self, number: int, step: Step, request: InferRequest,
                         tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         where = f"ensemble '{self.name}' step {number} (model '{step.model_name}')"
         try:
@@ -100,7 +123,25 @@ class EnsembleRunner(RunnerBase):
         """Requests in flight wait on their step models, which answer them however they stop."""
 
 
-def _step_request(model: StepModel, step: mc.ModelEnsembling.Step, request: InferRequest,
+def _has_inputs(step: Step, tensors: dict[str, np.ndarray]) -> bool:
+    return all(tensor in tensors for tensor in step.input_map.values())
+
+
+def _keep(step: Step, outputs: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> None:
+    for step_output, tensor in step.output_map.items():
+        tensors[tensor] = outputs[step_output]
+
+
+async def _cancel(running: dict[asyncio.Future, Step]) -> None:
+    """Siblings of a failed step, or every step of a cancelled request: their requests leave the step
+    models' queues (a batch already running finishes there and its answer is dropped)."""
+    for task in running:
+        task.cancel()
+    if running:
+        await asyncio.gather(*running, return_exceptions=True)
+
+
+def _step_request(model: StepModel, step: Step, request: InferRequest,
                   tensors: dict[str, np.ndarray]) -> InferRequest:
     inputs = {step_input: tensors[tensor] for step_input, tensor in step.input_map.items()}
     batch_size, key = model.signature.check_inputs(inputs)
