@@ -73,6 +73,9 @@ class EnsembleRunner(RunnerBase):
         except FerryError as exc:
             self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="BACKEND")
             raise exc
+        except asyncio.CancelledError:  # the caller went away; its steps were cancelled with it
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="CANCELED")
+            raise
         finally:
             self._in_flight -= 1
             if not self._accepting:

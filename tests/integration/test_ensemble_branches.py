@@ -69,7 +69,7 @@ ensemble_scheduling {{ step [ {written} ] }}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    for name in ("left", "right", "held"):
+    for name in ("left", "right", "held", "first", "second"):
         builders.gated_model(repo, name, "dynamic_batching: {}\n", gate=repo / f"{name}.gate")
     model_kinds.python_model(repo, "sum", SUM_MODEL, SUM_CONFIG)
     model_kinds.python_model(repo, "fragile", FRAGILE_MODEL, FRAGILE_CONFIG)
@@ -79,6 +79,8 @@ def server(tmp_path_factory):
     # fork_fail: X -> held -> h (held at its gate), X -> fragile -> f (raises on a negative value), sum -> S
     ensemble(repo, "fork_fail", [("held", {"X": "X"}, "h"), ("fragile", {"X": "X"}, "f"),
                                  ("sum", {"A": "h", "B": "f"}, "S")], "S")
+    # pair: X -> first -> a, X -> second -> b, answering both
+    ensemble(repo, "pair", [("first", {"X": "X"}, "a"), ("second", {"X": "X"}, "b")], "a")
     running = RunningServer(repo)
     running.repo = repo
     yield running
@@ -121,3 +123,17 @@ def test_a_failing_branch_fails_the_request_at_once_and_cancels_its_sibling(serv
     assert kserve.outputs(kserve.stub(server.channel).ModelInfer(
         kserve.request("fork_fail", {"X": GO}), timeout=60))["S"].tolist() == (GO + 3 * GO).tolist()
     assert stats(server, "held").inference_stats.success.count == 1
+
+
+def test_a_cancelled_call_cancels_every_running_step(server):
+    repo = server.repo
+    call = kserve.stub(server.channel).ModelInfer.future(kserve.request("pair", {"X": HOLD}), timeout=120)
+    wait_for(lambda: all((repo / f"{m}.gate.running").exists() for m in ("first", "second")),
+             what="both steps to be executing")
+    call.cancel()
+    server.wait_for_metric("nv_inference_request_failure", 1, model="pair", reason="CANCELED")
+    for m in ("first", "second"):  # each step's request left its model, counted as the caller's cancel
+        server.wait_for_metric("nv_inference_request_failure", 1, model=m, reason="CANCELED")
+        (repo / f"{m}.gate").touch()
+    assert kserve.outputs(kserve.stub(server.channel).ModelInfer(
+        kserve.request("pair", {"X": GO}), timeout=60))["a"].tolist() == GO.tolist()
