@@ -61,6 +61,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--event-loop", choices=event_loop.CHOICES, default=event_loop.AUTO,
                    help="the asyncio loop this process and its front ends run on: uvloop (libuv, less CPU per "
                         "request), asyncio (the standard library's), auto (uvloop where installed)")
+    p.add_argument("--cache-config", action="append", default=[], metavar="local,size=BYTES",
+                   help="a response cache, as Triton's flag: `local,size=BYTES` holds up to BYTES of answers for "
+                        "models whose config sets response_cache: {enable: true}")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         load_models=frozenset(args.load_model),
         frontend_processes=args.frontend_processes,
         event_loop=args.event_loop,
+        response_cache_bytes=_cache_bytes(parser, args.cache_config),
         **({} if args.frontend_arena_bytes is None else {"frontend_arena_bytes": args.frontend_arena_bytes}),
     )
     raise SystemExit(event_loop.run(run(config), args.event_loop))
@@ -125,6 +129,25 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error(str(exc))
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
+
+
+def _cache_bytes(parser: argparse.ArgumentParser, values: list[str]) -> int:
+    """The size `--cache-config local,size=BYTES` asks for (0: no cache). Triton's syntax; `local` (in
+    this process's memory) is the one implementation Ferry has."""
+    size = 0
+    for value in values:
+        implementation, _, settings = value.partition(",")
+        if implementation != "local":
+            parser.error(f"--cache-config {value}: the cache implementation must be 'local' (the one Ferry has), "
+                         f"got '{implementation}'")
+        for setting in filter(None, settings.split(",")):
+            key, _, number = setting.partition("=")
+            if key != "size" or not number.isdigit() or int(number) <= 0:
+                parser.error(f"--cache-config {value}: expected size=BYTES (a whole number above 0), got '{setting}'")
+            size = int(number)
+    if values and not size:
+        parser.error("--cache-config local needs a size: --cache-config local,size=BYTES")
+    return size
 
 
 def _tokens(parser: argparse.ArgumentParser, args) -> Tokens:

@@ -18,8 +18,9 @@ from server.exposition import MetricsServer
 from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
 from server.generation_metrics import GenerationFamilies
 from server.loop_load import LoopLoad
-from server.metrics import FrontDoorRequests, Histograms, StatsCollector
+from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsCollector
 from server.repository.registry import Registry
+from server.response_cache import ResponseCache
 from server.repository.watcher import RepositoryWatcher
 from server.rpc.auth import TokenAuth, Tokens
 from server.rpc.drain import DrainGate
@@ -58,6 +59,7 @@ class ServerConfig:
     frontend_processes: int = 1  # >= 2: that many processes serve gRPC on the port (server/frontend/)
     frontend_arena_bytes: int = DEFAULT_ARENA_BYTES  # shared memory per front-end process for tensors
     event_loop: str = AUTO_LOOP  # the loop front-end processes run on (server/event_loop.py); the caller picks this one's
+    response_cache_bytes: int = 0  # > 0: a response cache of this size for models that enable it (--cache-config)
 
 
 @dataclass(slots=True)
@@ -89,8 +91,12 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     server_budget, model_bytes = byte_budgets(config)
     log.info("event loop: %s", loop_name(asyncio.get_running_loop()))
     loop_load = LoopLoad(asyncio.get_running_loop())  # the front end's load, for adaptive windows and /metrics
+    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
+    if cache is not None:
+        log.info("response cache: %.1f MiB for models with response_cache enabled", cache.capacity / 2**20)
+        prom.register(CacheCollector(cache))
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes,
-                            loop_load=loop_load)
+                            loop_load=loop_load, response_cache=cache)
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
     factory.models.bind(registry.get)  # ensembles find their step models at call time
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))

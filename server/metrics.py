@@ -70,6 +70,8 @@ class ModelStats:
         self.model, self.version = model, version
         self.success, self.fail, self.queue = Duration(), Duration(), Duration()
         self.compute_input, self.compute_infer, self.compute_output = Duration(), Duration(), Duration()
+        self.cache_hit, self.cache_miss = Duration(), Duration()  # lookups answered / lookups + inserts
+        self.cached = False  # the model answers from the server's response cache (its families are shown)
         self.inference_count = self.execution_count = self.last_inference_ms = 0
         self.failures: Counter[str] = Counter()  # by reason: REJECTED, BACKEND, CANCELED
         self.deadline_misses = self.pending = self.window_ns = 0
@@ -137,6 +139,20 @@ class ModelStats:
         if ok and self._hist:
             self._hist["request_us"].observe(total_ns / 1000)
 
+    def record_cache_hit(self, lookup_ns: int, total_ns: int) -> None:
+        """A request answered from the response cache: a success that neither queued nor ran (Triton
+        counts it in success and cache_hit, not in inference or execution counts)."""
+        with self._lock:
+            self.cache_hit.add(lookup_ns)
+            self.success.add(total_ns)
+            self.last_inference_ms = int(time.time() * 1000)
+        if self._hist:
+            self._hist["request_us"].observe(total_ns / 1000)
+
+    def record_cache_miss(self, lookup_and_insert_ns: int) -> None:
+        with self._lock:
+            self.cache_miss.add(lookup_and_insert_ns)
+
     def record_deadline_miss(self) -> None:
         with self._lock:
             self.deadline_misses += 1
@@ -157,7 +173,8 @@ class ModelStats:
             durations = {k: (d.count, d.ns) for k, d in (
                 ("success", self.success), ("fail", self.fail), ("queue", self.queue),
                 ("compute_input", self.compute_input), ("compute_infer", self.compute_infer),
-                ("compute_output", self.compute_output))}
+                ("compute_output", self.compute_output), ("cache_hit", self.cache_hit),
+                ("cache_miss", self.cache_miss))}
             return {
                 **durations,
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
@@ -201,6 +218,17 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
      lambda s: s["padded_elements"] / s["computed_elements"] if s["computed_elements"] else 0.0),
 ]
 FAILURE_REASONS = ("REJECTED", "BACKEND", "CANCELED", "OTHER")
+# A snapshot's durations that InferStatistics reports, under its field names (the RPC and HTTP share it)
+INFER_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
+# Triton's per-model response cache families, shown for models that use the cache
+_CACHE_FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
+    ("nv_cache_num_hits_per_model", "counter", "Requests answered from the response cache", lambda s: s["cache_hit"][0]),
+    ("nv_cache_num_misses_per_model", "counter", "Response cache lookups that found nothing", lambda s: s["cache_miss"][0]),
+    ("nv_cache_hit_duration_per_model", "counter", "Cumulative time looking up and reading hits, in microseconds",
+     lambda s: s["cache_hit"][1] / 1000),
+    ("nv_cache_miss_duration_per_model", "counter", "Cumulative time looking up misses and keeping their answers, in "
+     "microseconds", lambda s: s["cache_miss"][1] / 1000),
+]
 
 
 class StatsCollector(Collector):
@@ -214,11 +242,8 @@ class StatsCollector(Collector):
 
     def collect(self):
         snapshots = [(s, s.snapshot()) for s in self._stats()]
-        for name, kind, doc, value in _FAMILIES:
-            metric = BareCounter(name, doc) if kind == "counter" else Metric(name, doc, kind)
-            for stats, snap in snapshots:
-                metric.add_sample(name, {"model": stats.model, "version": str(stats.version)}, value(snap))
-            yield metric
+        yield from _model_families(_FAMILIES, snapshots)
+        yield from _model_families(_CACHE_FAMILIES, [(s, snap) for s, snap in snapshots if s.cached])
         failure = BareCounter("nv_inference_request_failure", "Failed inference requests, by reason")
         for stats, snap in snapshots:
             for reason in FAILURE_REASONS:
@@ -236,6 +261,33 @@ class StatsCollector(Collector):
                            "running callbacks (1: it is the bottleneck; adaptive windows then form larger batches)", "gauge")
             ratio.add_sample("ferry_frontend_loop_busy_ratio", {}, busy)
             yield ratio
+
+
+def _model_families(families, snapshots: list[tuple[ModelStats, dict]]):
+    for name, kind, doc, value in families:
+        metric = BareCounter(name, doc) if kind == "counter" else Metric(name, doc, kind)
+        for stats, snap in snapshots:
+            metric.add_sample(name, {"model": stats.model, "version": str(stats.version)}, value(snap))
+        yield metric
+
+
+class CacheCollector(Collector):
+    """The server's response cache as a whole (Triton's global cache families)."""
+
+    def __init__(self, cache):
+        self._cache = cache
+
+    def collect(self):
+        cache = self._cache
+        for name, kind, doc, value in (
+                ("nv_cache_num_entries", "gauge", "Answers held in the response cache", len(cache)),
+                ("nv_cache_num_evictions", "counter", "Answers evicted to make room for newer ones", cache.evictions),
+                ("nv_cache_num_hits", "counter", "Lookups answered from the response cache", cache.hits),
+                ("nv_cache_num_misses", "counter", "Lookups that found nothing", cache.misses),
+                ("nv_cache_util", "gauge", "Share of the response cache's bytes in use", cache.used / cache.capacity)):
+            metric = BareCounter(name, doc) if kind == "counter" else Metric(name, doc, kind)
+            metric.add_sample(name, {}, value)
+            yield metric
 
 
 def _bucket_families(snapshots: list[tuple[ModelStats, dict]]):

@@ -10,6 +10,7 @@ from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__, classification
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.frontdoor import infer_request, serving
+from server.metrics import INFER_DURATIONS
 from server.names import parse_version
 from server.repository import inline_load
 from server.repository.registry import READY, ModelVersion, Registry
@@ -206,8 +207,7 @@ def _statistics(mv: ModelVersion) -> pb.ModelStatistics:
     stats = pb.ModelStatistics(
         name=mv.name, version=str(mv.version), last_inference=snap["last_inference"],
         inference_count=snap["inference_count"], execution_count=snap["execution_count"],
-        inference_stats=pb.InferStatistics(**{k: duration(snap[k]) for k in (
-            "success", "fail", "queue", "compute_input", "compute_infer", "compute_output")}),
+        inference_stats=pb.InferStatistics(**{k: duration(snap[k]) for k in INFER_DURATIONS}),
     )
     for size, times in snap["batches"].items():
         stats.batch_stats.add(batch_size=size, **{k: duration(v) for k, v in times.items()})

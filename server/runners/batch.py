@@ -24,6 +24,7 @@ from server.errors import BackendError, DeadlineExceededError, FerryError, Model
 from server.loop_load import LoopLoad
 from server.metrics import ModelStats
 from server.request import Batch, InferRequest
+from server.response_cache import ResponseCache, request_key
 from server.runners.base import INFER, RunnerBase
 from server.runners.isolation import Outcome, run_isolated
 from server.runners.ordering import ResponseOrder
@@ -44,9 +45,11 @@ class ModelRunner(RunnerBase):
     serves = INFER
 
     def __init__(self, name: str, version: int, scheduler: Scheduler, workers: list[Worker], stats: ModelStats,
-                 preserve_ordering: bool = False, budget: ByteBudget | None = None, loop_load: LoopLoad | None = None):
+                 preserve_ordering: bool = False, budget: ByteBudget | None = None, loop_load: LoopLoad | None = None,
+                 cache: ResponseCache | None = None):
         super().__init__(name, version, stats, budget)
         self.scheduler = scheduler
+        self._cache = cache  # the server's response cache, when this model's config enables it
         self._loop_load = loop_load  # the front end's busy share, handed to the scheduler at every cut
         self.workers = workers
         self._order = ResponseOrder() if preserve_ordering else None
@@ -65,18 +68,38 @@ class ModelRunner(RunnerBase):
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Queue a request and wait for its outputs; a cancelled caller leaves the queue."""
         self._admit_check()
-        self._take_bytes(request.nbytes, request.arrival_ns)
-        try:
-            return await self._queue_and_wait(request)
-        finally:
-            self._give_bytes(request.nbytes)
+        if self._cache is not None:
+            return await self._infer_cached(request)
+        return await self._queue_and_wait(request)
+
+    async def _infer_cached(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """The response cache first (server/response_cache.py): a hit never queues; a miss runs as any
+        request does and its answer is kept."""
+        started = time.monotonic_ns()
+        key = request_key(self.name, self.version, request.inputs, request.requested_outputs)
+        outputs = self._cache.get(key)
+        if outputs is not None:
+            now = time.monotonic_ns()
+            self.stats.record_cache_hit(now - started, now - request.arrival_ns)
+            return outputs
+        lookup_ns = time.monotonic_ns() - started
+        outputs = await self._queue_and_wait(request)
+        started = time.monotonic_ns()
+        self._cache.put(key, outputs)
+        self.stats.record_cache_miss(lookup_ns + time.monotonic_ns() - started)
+        return outputs
 
     async def _queue_and_wait(self, request: InferRequest) -> dict[str, np.ndarray]:
+        """Charge the request's bytes to the budgets, queue it, wait for its outputs; the bytes are given
+        back however it ends."""
+        self._take_bytes(request.nbytes, request.arrival_ns)
         request.future = asyncio.get_running_loop().create_future()
         try:
             self.scheduler.submit(request, time.monotonic_ns())
-        except QueueFullError:
-            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="REJECTED")
+        except BaseException as exc:
+            self._give_bytes(request.nbytes)
+            if isinstance(exc, QueueFullError):
+                self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="REJECTED")
             raise
         if self._order is not None:
             self._order.admit(request)
@@ -104,6 +127,7 @@ class ModelRunner(RunnerBase):
             raise
         finally:
             self._admitted.discard(request)
+            self._give_bytes(request.nbytes)
         self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return outputs
 

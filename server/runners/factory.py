@@ -7,6 +7,7 @@ what comes back only as a `Runner`. A new model kind is one more branch here and
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from server.errors import ConfigError
 from server.generation_metrics import GenerationFamilies, GenerationStats
 from server.loop_load import LoopLoad
 from server.metrics import Histograms, ModelStats
+from server.response_cache import ResponseCache
 from server.repository.ensemble_config import step_order
 from server.runners.base import Runner
 from server.runners.batch import ModelRunner
@@ -39,6 +41,8 @@ from server.worker import Worker
 if TYPE_CHECKING:
     from server.repository.loader import LoadedVersion
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True, slots=True)
 class RunnerFactory:
@@ -51,10 +55,13 @@ class RunnerFactory:
     max_model_queued_bytes: int = 0  # per version, within the server's budget (0: only the server's)
     models: LateLookup = field(default_factory=LateLookup)  # the registry's lookup, for ensemble steps
     loop_load: LoopLoad | None = None  # the event loop's busy share, which adaptive windows take into account
+    response_cache: ResponseCache | None = None  # the server's (--cache-config), for models that enable it
 
     def __call__(self, name: str, entry: LoadedVersion) -> Runner:
         """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
         stats = ModelStats(name, entry.version, self.histograms)
+        cache = self._cache_for(name, entry.config)
+        stats.cached = cache is not None
         budget = ByteBudget(self.max_model_queued_bytes, f"model '{name}' version {entry.version}", self.server_budget)
         if entry.config.platform == "ensemble":
             return EnsembleRunner(name, entry.version, entry.config, step_order(entry.config, name), self.models, stats)
@@ -68,7 +75,23 @@ class RunnerFactory:
         workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
                            preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget,
-                           loop_load=self.loop_load)
+                           loop_load=self.loop_load, cache=cache)
+
+    def _cache_for(self, name: str, config: mc.ModelConfig) -> ResponseCache | None:
+        """The response cache, for a batched model whose config enables it; ConfigError for a kind whose
+        answers are not one response per request (Triton refuses those too)."""
+        if not config.response_cache.enable:
+            return None
+        kind = ("an ensemble" if config.platform == "ensemble" else "a generation model" if config.backend == "llm"
+                else "a decoupled model" if config.model_transaction_policy.decoupled
+                else "a sequence (stateful) model" if config.HasField("sequence_batching") else None)
+        if kind is not None:
+            raise ConfigError(f"model '{name}': response_cache.enable is not supported for {kind} (its answers "
+                              "depend on more than the request's inputs, or are not one response per request)")
+        if self.response_cache is None:
+            log.warning("model '%s' enables response_cache, but the server has no cache: start it with "
+                        "--cache-config local,size=BYTES to use it", name)
+        return self.response_cache
 
 
 def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUESTS) -> Scheduler:

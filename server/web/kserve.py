@@ -17,6 +17,7 @@ from starlette.routing import Route
 from server import __version__
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.frontdoor import infer_request, serving
+from server.metrics import INFER_DURATIONS
 from server.names import capped, parse_version
 from server.repository.registry import READY, ModelVersion, Registry
 from server.runners.base import INFER
@@ -173,8 +174,7 @@ def _statistics(mv: ModelVersion) -> dict:
     return {
         "name": mv.name, "version": str(mv.version), "last_inference": snap["last_inference"],
         "inference_count": snap["inference_count"], "execution_count": snap["execution_count"],
-        "inference_stats": {k: duration(snap[k]) for k in (
-            "success", "fail", "queue", "compute_input", "compute_infer", "compute_output")},
+        "inference_stats": {k: duration(snap[k]) for k in INFER_DURATIONS},
         "batch_stats": [{"batch_size": size, **{k: duration(v) for k, v in times.items()}}
                         for size, times in snap["batches"].items()],
     }

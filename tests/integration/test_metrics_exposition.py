@@ -26,8 +26,11 @@ TRITON_NAMING = ('counter metrics should have "_total" suffix', "should not cont
 def page(tmp_path_factory) -> str:
     repo = tmp_path_factory.mktemp("repo")
     builders.add_sub(repo / "simple" / "1" / "model.onnx")
-    server = RunningServer(repo)
+    builders.gated_model(repo, "cached", "response_cache: {enable: true}\n")  # the response cache's families too
+    server = RunningServer(repo, "--cache-config", "local,size=65536")
     try:
+        for _ in range(2):
+            kserve.infer(server.channel, "cached", {"X": np.ones((1, 2), np.float32)})
         a = np.ones((2, 4), np.float32)
         request = pb.ModelInferRequest(model_name="simple", inputs=[
             pb.ModelInferRequest.InferInputTensor(name=n, datatype="FP32", shape=[2, 4]) for n in ("INPUT0", "INPUT1")],
@@ -54,11 +57,15 @@ def test_strict_parser_files_every_sample_under_a_typed_family(page):
     for name in ("nv_inference_count", "nv_inference_exec_count", "nv_inference_request_success",
                  "nv_inference_request_failure", "nv_inference_queue_duration_us"):
         assert families[name].type == "counter" and families[name].samples, name
-    count = families["nv_inference_count"].samples[0]
+    count = next(s for s in families["nv_inference_count"].samples if s.labels["model"] == "simple")
     assert count.labels == {"model": "simple", "version": "1"} and count.value == 2
-    assert families["nv_inference_exec_count"].samples[0].value == 1
+    assert next(s.value for s in families["nv_inference_exec_count"].samples if s.labels["model"] == "simple") == 1
     assert families["nv_inference_pending_request_count"].type == "gauge"
     assert families["ferry_batch_size"].type == "histogram" and families["ferry_batch_size"].samples
+    hits = families["nv_cache_num_hits_per_model"]
+    assert hits.type == "counter" and [(s.labels["model"], s.value) for s in hits.samples] == [("cached", 1)]
+    assert families["nv_cache_num_entries"].type == "gauge" and families["nv_cache_num_entries"].samples[0].value == 1
+    assert 0 < families["nv_cache_util"].samples[0].value < 1
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) is not installed")
