@@ -40,13 +40,7 @@ output: [{name: Y, data_type: TYPE_FP32, dims: [2]}]
 dynamic_batching: {}
 """
 
-FRAGILE_CONFIG = """
-backend: python
-max_batch_size: 8
-input: [{name: X, data_type: TYPE_FP32, dims: [2]}]
-output: [{name: Y, data_type: TYPE_FP32, dims: [2]}]
-dynamic_batching: {}
-"""
+FRAGILE_CONFIG = model_kinds.STEP_CONFIG.replace("dims: [4]", "dims: [2]")
 
 
 def ensemble(repo: Path, name: str, steps: list[tuple[str, dict[str, str], str]], output: str) -> None:
