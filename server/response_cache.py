@@ -2,7 +2,8 @@
 
 Triton's response cache, with its switches: the server holds one cache (`--cache-config local,size=BYTES`)
 shared by every model whose config says `response_cache: {enable: true}`. A request's key hashes its
-model, version, requested outputs and each input's name, datatype, shape and bytes (request parameters
+model, version (and which load of it), requested outputs and each input's name, datatype, shape and
+bytes (request parameters
 such as priority or timeout change how a request is scheduled, not its answer, so they are left out),
 so only a request identical in all of those is answered from the cache. Entries are read-only copies
 of the outputs, bounded in bytes, least recently used out first. Only a deterministic model should
@@ -21,11 +22,12 @@ import numpy as np
 _ENTRY_OVERHEAD = 256  # bytes charged per entry beyond its tensors (key, dict, array headers)
 
 
-def request_key(model: str, version: int, inputs: dict[str, np.ndarray], requested: tuple[str, ...]) -> bytes:
+def request_key(scope: str, inputs: dict[str, np.ndarray], requested: tuple[str, ...]) -> bytes:
     """A 20-byte digest of everything that decides a request's answer; hashed over the input buffers,
-    no element-wise Python except for BYTES tensors (whose elements are separate objects)."""
+    no element-wise Python except for BYTES tensors (whose elements are separate objects). `scope`
+    names one load of one model version (a reload gets a new one: new weights, no stale answers)."""
     digest = hashlib.blake2b(digest_size=20)
-    digest.update(f"{model}\0{version}\0{','.join(requested)}".encode())
+    digest.update(f"{scope}\0{','.join(requested)}".encode())
     for name in sorted(inputs):
         array = inputs[name]
         digest.update(f"\0{name}\0{array.dtype.str}\0{array.shape}\0".encode())

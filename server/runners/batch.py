@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 
@@ -39,6 +40,7 @@ _FAR_FUTURE_NS = 10**18
 # queue's timer fires (uvloop's timers have millisecond grain). A queued call cancelled this close to its
 # deadline was cancelled by it, and counts as a deadline miss, as the timer would have counted it.
 _CALLER_CLOCK_LEAD_NS = 10_000_000
+_LOADS = itertools.count()  # numbers each runner, so a reloaded version never answers from its old load's entries
 
 
 class ModelRunner(RunnerBase):
@@ -50,6 +52,7 @@ class ModelRunner(RunnerBase):
         super().__init__(name, version, stats, budget)
         self.scheduler = scheduler
         self._cache = cache  # the server's response cache, when this model's config enables it
+        self._cache_scope = f"{name}\0{version}\0{next(_LOADS)}"  # this load's keys; a reload starts afresh
         self._loop_load = loop_load  # the front end's busy share, handed to the scheduler at every cut
         self.workers = workers
         self._order = ResponseOrder() if preserve_ordering else None
@@ -76,7 +79,7 @@ class ModelRunner(RunnerBase):
         """The response cache first (server/response_cache.py): a hit never queues; a miss runs as any
         request does and its answer is kept."""
         started = time.monotonic_ns()
-        key = request_key(self.name, self.version, request.inputs, request.requested_outputs)
+        key = request_key(self._cache_scope, request.inputs, request.requested_outputs)
         outputs = self._cache.get(key)
         if outputs is not None:
             now = time.monotonic_ns()

@@ -93,6 +93,22 @@ def test_a_model_without_the_cache_runs_every_request(server):
     assert stats(server, "plain").inference_stats.cache_hit.count == 0
 
 
+def test_a_reloaded_model_never_answers_from_its_old_loads_entries(tmp_path):
+    builders.gated_model(tmp_path, "cached", CACHED)
+    server = RunningServer(tmp_path, "--cache-config", "local,size=1048576")
+    try:
+        infer(server, "cached", GO)
+        assert stats(server, "cached").inference_stats.cache_miss.count == 1
+        kserve.stub(server.channel).RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="cached"), timeout=60)
+        infer(server, "cached", GO)  # the same request: new weights could answer it differently
+        s = stats(server, "cached")  # the new load's figures
+        assert (s.inference_stats.cache_hit.count, s.inference_stats.cache_miss.count, s.execution_count) == (0, 1, 1)
+        assert infer(server, "cached", GO)["Y"].tolist() == GO.tolist()
+        assert stats(server, "cached").inference_stats.cache_hit.count == 1  # and its own answers are kept
+    finally:
+        server.stop()
+
+
 def test_a_decoupled_model_cannot_enable_the_cache(server):
     index = {m.name: m for m in kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest()).models}
     assert index["streamer"].state == "UNAVAILABLE"

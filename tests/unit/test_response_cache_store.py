@@ -13,15 +13,16 @@ from server.response_cache import ResponseCache, request_key
 X = np.arange(6, dtype=np.float32).reshape(2, 3)
 
 
-def key(inputs=None, model="m", version=1, requested=()):
-    return request_key(model, version, {"x": X} if inputs is None else inputs, requested)
+def key(inputs=None, scope="m\x001\x000", requested=()):
+    return request_key(scope, {"x": X} if inputs is None else inputs, requested)
 
 
 def test_the_key_covers_everything_that_decides_the_answer():
     same = key({"x": X.copy()})
     assert same == key()
     different = [
-        key(model="other"), key(version=2), key(requested=("y",)),
+        key(scope="other\x001\x000"), key(scope="m\x002\x000"), key(scope="m\x001\x001"),  # model, version, load
+        key(requested=("y",)),
         key({"y": X}),  # the input's name
         key({"x": X.reshape(3, 2)}),  # its shape, same bytes
         key({"x": X.view(np.int32)}),  # its datatype, same bytes
