@@ -15,11 +15,31 @@ Every call comes from the event loop, so nothing here locks; the metrics thread 
 from __future__ import annotations
 
 import hashlib
+import itertools
+import time
 from collections import OrderedDict
+from typing import Awaitable, Callable, Protocol
 
 import numpy as np
 
+from server.request import InferRequest
+
 _ENTRY_OVERHEAD = 256  # bytes charged per entry beyond its tensors (key, dict, array headers)
+_LOADS = itertools.count()
+
+
+class CacheStats(Protocol):
+    """Where a model records its lookups (metrics.ModelStats)."""
+
+    def record_cache_hit(self, lookup_ns: int, total_ns: int) -> None: ...
+
+    def record_cache_miss(self, lookup_and_insert_ns: int) -> None: ...
+
+
+def load_scope(model: str, version: int) -> str:
+    """A name for one load of one model version: a reloaded model (new weights, maybe) gets a new one,
+    so it never answers from its previous load's entries, which age out."""
+    return f"{model}\0{version}\0{next(_LOADS)}"
 
 
 def request_key(scope: str, inputs: dict[str, np.ndarray], requested: tuple[str, ...]) -> bytes:
@@ -94,3 +114,22 @@ class ResponseCache:
         self._entries[key] = ({name: _frozen(array) for name, array in outputs.items()}, size)
         self.used += size
         return True
+
+
+async def answer(cache: ResponseCache, scope: str, request: InferRequest, stats: CacheStats,
+                 run: Callable[[InferRequest], Awaitable[dict[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+    """`request`'s outputs from the cache when an identical request was answered before; otherwise
+    `run(request)`, whose answer is kept. A failed or cancelled run keeps nothing."""
+    started = time.monotonic_ns()
+    key = request_key(scope, request.inputs, request.requested_outputs)
+    outputs = cache.get(key)
+    if outputs is not None:
+        now = time.monotonic_ns()
+        stats.record_cache_hit(now - started, now - request.arrival_ns)
+        return outputs
+    lookup_ns = time.monotonic_ns() - started
+    outputs = await run(request)
+    started = time.monotonic_ns()
+    cache.put(key, outputs)
+    stats.record_cache_miss(lookup_ns + time.monotonic_ns() - started)
+    return outputs

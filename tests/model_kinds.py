@@ -71,6 +71,24 @@ ensemble_scheduling {{ step [ {steps} ] }}
 """)
 
 
+def ensemble(repo: Path, name: str, steps: list[tuple[str, dict[str, str], str]], output: str, extra: str = "") -> None:
+    """An ensemble over X [2] FP32 answering `output` [2]. `steps`: (model, {step input: ensemble tensor},
+    ensemble tensor its Y goes to), in config order; `extra`: more config text."""
+    written = ", ".join(
+        f'{{model_name: "{model}", '
+        + ", ".join(f'input_map: {{key: "{k}", value: "{v}"}}' for k, v in inputs.items())
+        + f', output_map: {{key: "Y", value: "{out}"}}}}'
+        for model, inputs, out in steps)
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(f"""
+platform: "ensemble"
+max_batch_size: 8
+input [{{name: "X", data_type: TYPE_FP32, dims: [2]}}]
+output [{{name: "{output}", data_type: TYPE_FP32, dims: [2]}}]
+ensemble_scheduling {{ step [ {written} ] }}
+{extra}""")
+
+
 def rows(repo: Path) -> None:
     """`rows`: a batched python model that reports how many rows its call received."""
     python_model(repo, "rows", ROWS_MODEL, ROWS_CONFIG)

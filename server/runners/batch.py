@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
 import time
 
@@ -25,7 +24,8 @@ from server.errors import BackendError, DeadlineExceededError, FerryError, Model
 from server.loop_load import LoopLoad
 from server.metrics import ModelStats
 from server.request import Batch, InferRequest
-from server.response_cache import ResponseCache, request_key
+from server import response_cache
+from server.response_cache import ResponseCache
 from server.runners.base import INFER, RunnerBase
 from server.runners.isolation import Outcome, run_isolated
 from server.runners.ordering import ResponseOrder
@@ -40,7 +40,6 @@ _FAR_FUTURE_NS = 10**18
 # queue's timer fires (uvloop's timers have millisecond grain). A queued call cancelled this close to its
 # deadline was cancelled by it, and counts as a deadline miss, as the timer would have counted it.
 _CALLER_CLOCK_LEAD_NS = 10_000_000
-_LOADS = itertools.count()  # numbers each runner, so a reloaded version never answers from its old load's entries
 
 
 class ModelRunner(RunnerBase):
@@ -52,7 +51,7 @@ class ModelRunner(RunnerBase):
         super().__init__(name, version, stats, budget)
         self.scheduler = scheduler
         self._cache = cache  # the server's response cache, when this model's config enables it
-        self._cache_scope = f"{name}\0{version}\0{next(_LOADS)}"  # this load's keys; a reload starts afresh
+        self._cache_scope = response_cache.load_scope(name, version)
         self._loop_load = loop_load  # the front end's busy share, handed to the scheduler at every cut
         self.workers = workers
         self._order = ResponseOrder() if preserve_ordering else None
@@ -71,26 +70,9 @@ class ModelRunner(RunnerBase):
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Queue a request and wait for its outputs; a cancelled caller leaves the queue."""
         self._admit_check()
-        if self._cache is not None:
-            return await self._infer_cached(request)
+        if self._cache is not None:  # a hit never queues (server/response_cache.py)
+            return await response_cache.answer(self._cache, self._cache_scope, request, self.stats, self._queue_and_wait)
         return await self._queue_and_wait(request)
-
-    async def _infer_cached(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """The response cache first (server/response_cache.py): a hit never queues; a miss runs as any
-        request does and its answer is kept."""
-        started = time.monotonic_ns()
-        key = request_key(self._cache_scope, request.inputs, request.requested_outputs)
-        outputs = self._cache.get(key)
-        if outputs is not None:
-            now = time.monotonic_ns()
-            self.stats.record_cache_hit(now - started, now - request.arrival_ns)
-            return outputs
-        lookup_ns = time.monotonic_ns() - started
-        outputs = await self._queue_and_wait(request)
-        started = time.monotonic_ns()
-        self._cache.put(key, outputs)
-        self.stats.record_cache_miss(lookup_ns + time.monotonic_ns() - started)
-        return outputs
 
     async def _queue_and_wait(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Charge the request's bytes to the budgets, queue it, wait for its outputs; the bytes are given

@@ -21,7 +21,9 @@ import numpy as np
 from protos import model_config_pb2 as mc
 from server.errors import FerryError, InvalidInputError, ModelUnavailableError
 from server.metrics import ModelStats
+from server import response_cache
 from server.request import InferRequest
+from server.response_cache import ResponseCache
 from server.runners.base import INFER, Runner, RunnerBase
 from server.signature import Signature
 
@@ -57,8 +59,10 @@ class EnsembleRunner(RunnerBase):
     serves = INFER
 
     def __init__(self, name: str, version: int, config: mc.ModelConfig, order: list[int], lookup: StepLookup,
-                 stats: ModelStats):
+                 stats: ModelStats, cache: ResponseCache | None = None):
         super().__init__(name, version, stats)
+        self._cache = cache  # top-level caching: a hit runs no step (steps may cache on their own too)
+        self._cache_scope = response_cache.load_scope(name, version)
         self.steps = [config.ensemble_scheduling.step[i] for i in order]
         self.step_numbers = order  # as written in the config, for messages
         self.outputs = [t.name for t in config.output]
@@ -67,6 +71,11 @@ class EnsembleRunner(RunnerBase):
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         self._admit_check()
+        if self._cache is not None:
+            return await response_cache.answer(self._cache, self._cache_scope, request, self.stats, self._run_steps)
+        return await self._run_steps(request)
+
+    async def _run_steps(self, request: InferRequest) -> dict[str, np.ndarray]:
         self._in_flight += 1
         try:
             tensors = await self._walk(request)

@@ -64,7 +64,8 @@ class RunnerFactory:
         stats.cached = cache is not None
         budget = ByteBudget(self.max_model_queued_bytes, f"model '{name}' version {entry.version}", self.server_budget)
         if entry.config.platform == "ensemble":
-            return EnsembleRunner(name, entry.version, entry.config, step_order(entry.config, name), self.models, stats)
+            return EnsembleRunner(name, entry.version, entry.config, step_order(entry.config, name), self.models, stats,
+                                  cache)
         if entry.config.backend == "llm":
             gen_stats = GenerationStats(self.generation_families, name, entry.version)
             return generation_runner(name, entry, stats, gen_stats, budget)
@@ -78,11 +79,11 @@ class RunnerFactory:
                            loop_load=self.loop_load, cache=cache)
 
     def _cache_for(self, name: str, config: mc.ModelConfig) -> ResponseCache | None:
-        """The response cache, for a batched model whose config enables it; ConfigError for a kind whose
-        answers are not one response per request (Triton refuses those too)."""
+        """The response cache, for a batched model or an ensemble whose config enables it; ConfigError for a
+        kind whose answers are not one response per request or depend on state (Triton refuses those too)."""
         if not config.response_cache.enable:
             return None
-        kind = ("an ensemble" if config.platform == "ensemble" else "a generation model" if config.backend == "llm"
+        kind = ("a generation model" if config.backend == "llm"
                 else "a decoupled model" if config.model_transaction_policy.decoupled
                 else "a sequence (stateful) model" if config.HasField("sequence_batching") else None)
         if kind is not None:

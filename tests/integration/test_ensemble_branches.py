@@ -8,8 +8,6 @@ from the server's statistics, never timing guesses.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grpc
 import numpy as np
 import pytest
@@ -43,23 +41,6 @@ dynamic_batching: {}
 FRAGILE_CONFIG = model_kinds.STEP_CONFIG.replace("dims: [4]", "dims: [2]")
 
 
-def ensemble(repo: Path, name: str, steps: list[tuple[str, dict[str, str], str]], output: str) -> None:
-    """`steps`: (model, {step input: ensemble tensor}, ensemble tensor its Y goes to), in config order."""
-    written = ", ".join(
-        f'{{model_name: "{model}", '
-        + ", ".join(f'input_map: {{key: "{k}", value: "{v}"}}' for k, v in inputs.items())
-        + f', output_map: {{key: "Y", value: "{out}"}}}}'
-        for model, inputs, out in steps)
-    (repo / name / "1").mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(f"""
-platform: "ensemble"
-max_batch_size: 8
-input [{{name: "X", data_type: TYPE_FP32, dims: [2]}}]
-output [{{name: "{output}", data_type: TYPE_FP32, dims: [2]}}]
-ensemble_scheduling {{ step [ {written} ] }}
-""")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
@@ -68,13 +49,13 @@ def server(tmp_path_factory):
     model_kinds.python_model(repo, "sum", SUM_MODEL, SUM_CONFIG)
     model_kinds.python_model(repo, "fragile", FRAGILE_MODEL, FRAGILE_CONFIG)
     # fork: X -> left -> l, X -> right -> r, then sum(l, r) -> S
-    ensemble(repo, "fork", [("left", {"X": "X"}, "l"), ("right", {"X": "X"}, "r"),
+    model_kinds.ensemble(repo, "fork", [("left", {"X": "X"}, "l"), ("right", {"X": "X"}, "r"),
                             ("sum", {"A": "l", "B": "r"}, "S")], "S")
     # fork_fail: X -> held -> h (held at its gate), X -> fragile -> f (raises on a negative value), sum -> S
-    ensemble(repo, "fork_fail", [("held", {"X": "X"}, "h"), ("fragile", {"X": "X"}, "f"),
+    model_kinds.ensemble(repo, "fork_fail", [("held", {"X": "X"}, "h"), ("fragile", {"X": "X"}, "f"),
                                  ("sum", {"A": "h", "B": "f"}, "S")], "S")
     # pair: X -> first -> a, X -> second -> b, answering both
-    ensemble(repo, "pair", [("first", {"X": "X"}, "a"), ("second", {"X": "X"}, "b")], "a")
+    model_kinds.ensemble(repo, "pair", [("first", {"X": "X"}, "a"), ("second", {"X": "X"}, "b")], "a")
     running = RunningServer(repo)
     running.repo = repo
     yield running

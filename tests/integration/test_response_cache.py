@@ -42,6 +42,8 @@ def server(tmp_path_factory):
     builders.gated_model(repo, "cached", CACHED, gate=repo / "cached.gate")
     builders.gated_model(repo, "plain", "dynamic_batching: {}\n")
     model_kinds.python_model(repo, "streamer", STREAMER_MODEL, STREAMER_CONFIG)
+    builders.gated_model(repo, "step", "dynamic_batching: {}\n")
+    model_kinds.ensemble(repo, "pipeline", [("step", {"X": "X"}, "OUT")], "OUT", "response_cache {enable: true}\n")
     running = RunningServer(repo, "--cache-config", "local,size=1048576")
     running.repo = repo
     yield running
@@ -85,6 +87,14 @@ def test_only_an_identical_request_hits(server):
     assert after.execution_count - before.execution_count == 2
     assert answers[1]["Y"].tolist() == twice.tolist() and answers[2]["TURN"].tolist() == answers[1]["TURN"].tolist()
     assert answers[3]["TURN"].tolist() == answers[0]["TURN"].tolist()
+
+
+def test_an_ensemble_caches_at_the_top_and_a_hit_runs_no_step(server):
+    answers = [infer(server, "pipeline", GO)["OUT"].tolist() for _ in range(3)]
+    assert answers == [GO.tolist()] * 3
+    assert stats(server, "step").execution_count == 1  # the step ran for the first call only
+    s = stats(server, "pipeline")
+    assert (s.inference_stats.cache_hit.count, s.inference_stats.cache_miss.count, s.inference_stats.success.count) == (2, 1, 3)
 
 
 def test_a_model_without_the_cache_runs_every_request(server):
