@@ -15,7 +15,6 @@ Every call comes from the event loop, so nothing here locks; the metrics thread 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
 from collections import OrderedDict
 from typing import Awaitable, Callable, Protocol
@@ -25,7 +24,6 @@ import numpy as np
 from server.request import InferRequest
 
 _ENTRY_OVERHEAD = 256  # bytes charged per entry beyond its tensors (key, dict, array headers)
-_LOADS = itertools.count()
 
 
 class CacheStats(Protocol):
@@ -36,16 +34,11 @@ class CacheStats(Protocol):
     def record_cache_miss(self, lookup_and_insert_ns: int) -> None: ...
 
 
-def load_scope(model: str, version: int) -> str:
-    """A name for one load of one model version: a reloaded model (new weights, maybe) gets a new one,
-    so it never answers from its previous load's entries, which age out."""
-    return f"{model}\0{version}\0{next(_LOADS)}"
-
-
 def request_key(scope: str, inputs: dict[str, np.ndarray], requested: tuple[str, ...]) -> bytes:
     """A 20-byte digest of everything that decides a request's answer; hashed over the input buffers,
     no element-wise Python except for BYTES tensors (whose elements are separate objects). `scope`
-    names one load of one model version (a reload gets a new one: new weights, no stale answers)."""
+    names one load of one model version, and for an ensemble the loads of its steps too (a reload may
+    bring new weights: it gets a new scope, and the old entries age out unused)."""
     digest = hashlib.blake2b(digest_size=20)
     digest.update(f"{scope}\0{','.join(requested)}".encode())
     for name in sorted(inputs):

@@ -10,6 +10,7 @@ period, and answering everyone left when the loop ends however it ends.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from typing import Protocol
@@ -21,6 +22,7 @@ from server.scheduling.budget import ByteBudget
 log = logging.getLogger(__name__)
 
 INFER, GENERATE, DECOUPLED = "infer", "generate", "decoupled"  # DECOUPLED: 0..N responses per request
+_LOADS = itertools.count()
 
 
 class Runner(Protocol):
@@ -28,6 +30,7 @@ class Runner(Protocol):
     version: int
     stats: ModelStats
     serves: str  # INFER, GENERATE or DECOUPLED: which front-door calls it answers
+    load_id: int  # tells one load of a version from another (a reload may bring new weights)
 
     def start(self) -> None:
         """Start serving, on the running event loop."""
@@ -43,6 +46,7 @@ class RunnerBase:
 
     def __init__(self, name: str, version: int, stats: ModelStats, budget: ByteBudget | None = None):
         self.name, self.version = name, version
+        self.load_id = next(_LOADS)
         self.stats = stats
         self.budget = budget or ByteBudget(0, f"model '{name}' version {version}")
         self._wake = asyncio.Event()

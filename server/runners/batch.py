@@ -51,7 +51,7 @@ class ModelRunner(RunnerBase):
         super().__init__(name, version, stats, budget)
         self.scheduler = scheduler
         self._cache = cache  # the server's response cache, when this model's config enables it
-        self._cache_scope = response_cache.load_scope(name, version)
+        self._cache_scope = f"{name}\0{version}\0{self.load_id}"
         self._loop_load = loop_load  # the front end's busy share, handed to the scheduler at every cut
         self.workers = workers
         self._order = ResponseOrder() if preserve_ordering else None

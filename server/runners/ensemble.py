@@ -62,7 +62,6 @@ class EnsembleRunner(RunnerBase):
                  stats: ModelStats, cache: ResponseCache | None = None):
         super().__init__(name, version, stats)
         self._cache = cache  # top-level caching: a hit runs no step (steps may cache on their own too)
-        self._cache_scope = response_cache.load_scope(name, version)
         self.steps = [config.ensemble_scheduling.step[i] for i in order]
         self.step_numbers = order  # as written in the config, for messages
         self.outputs = [t.name for t in config.output]
@@ -71,9 +70,20 @@ class EnsembleRunner(RunnerBase):
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         self._admit_check()
-        if self._cache is not None:
-            return await response_cache.answer(self._cache, self._cache_scope, request, self.stats, self._run_steps)
+        scope = self._cache_scope() if self._cache is not None else None
+        if scope is not None:
+            return await response_cache.answer(self._cache, scope, request, self.stats, self._run_steps)
         return await self._run_steps(request)
+
+    def _cache_scope(self) -> str | None:
+        """This load and the loads of the step models serving now, so a step model's reload never lets
+        the ensemble answer from entries its old weights made; None while a step model is missing (the
+        request then runs, and fails naming the step)."""
+        try:
+            loads = [self.lookup(step.model_name, _version(step)).runner.load_id for step in self.steps]
+        except FerryError:
+            return None
+        return f"{self.name}\0{self.version}\0{self.load_id}\0{','.join(map(str, loads))}"
 
     async def _run_steps(self, request: InferRequest) -> dict[str, np.ndarray]:
         self._in_flight += 1
@@ -118,7 +128,7 @@ class EnsembleRunner(RunnerBase):
                         tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         where = f"ensemble '{self.name}' step {number} (model '{step.model_name}')"
         try:
-            model = self.lookup(step.model_name, str(step.model_version) if step.model_version > 0 else "")
+            model = self.lookup(step.model_name, _version(step))
             if model.runner.serves != INFER:
                 raise InvalidInputError(f"model '{model.name}' streams its answers and cannot be an ensemble step")
             return await model.runner.infer(_step_request(model, step, request, tensors))
@@ -133,6 +143,10 @@ class EnsembleRunner(RunnerBase):
 
     def _abandon_all(self, error: ModelUnavailableError) -> None:
         """Requests in flight wait on their step models, which answer them however they stop."""
+
+
+def _version(step: Step) -> str:
+    return str(step.model_version) if step.model_version > 0 else ""  # "": the latest ready version
 
 
 def _has_inputs(step: Step, tensors: dict[str, np.ndarray]) -> bool:

@@ -97,6 +97,16 @@ def test_an_ensemble_caches_at_the_top_and_a_hit_runs_no_step(server):
     assert (s.inference_stats.cache_hit.count, s.inference_stats.cache_miss.count, s.inference_stats.success.count) == (2, 1, 3)
 
 
+def test_reloading_a_step_model_retires_the_ensembles_entries(server):
+    infer(server, "pipeline", GO)  # cached by the earlier test, or now
+    before = stats(server, "pipeline").inference_stats
+    kserve.stub(server.channel).RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="step"), timeout=60)
+    assert infer(server, "pipeline", GO)["OUT"].tolist() == GO.tolist()
+    after = stats(server, "pipeline").inference_stats
+    assert (after.cache_miss.count - before.cache_miss.count, after.cache_hit.count - before.cache_hit.count) == (1, 0)
+    assert stats(server, "step").execution_count == 1  # the reloaded step ran it
+
+
 def test_a_model_without_the_cache_runs_every_request(server):
     runs = [infer(server, "plain", GO)["TURN"][0, 0] for _ in range(2)]
     assert runs[0] != runs[1] and stats(server, "plain").execution_count == 2
