@@ -77,9 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command != "serve":
         raise SystemExit(args.run(args))
     from server.app import ServerConfig, run  # here, so client commands never import torch
+    from server.log_settings import LOG_FORMAT
     from server.web.server import WebOptions
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     _check_serve_flags(parser, args)
     tokens = _tokens(parser, args)
     poll_s = _poll_seconds(parser, args)

@@ -17,6 +17,7 @@ from server.event_loop import name as loop_name
 from server.exposition import MetricsServer
 from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
 from server.generation_metrics import GenerationFamilies
+from server.log_settings import LogControl
 from server.loop_load import LoopLoad
 from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsCollector
 from server.repository.registry import Registry
@@ -110,7 +111,9 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
         group = FrontendGroup(config.frontend_processes, config.rpc, config.tokens, config.drain_grace_s,
                               config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set)
         rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
-    rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, config.server_name, refused, regions)),
+    logs = LogControl()  # the LogSettings RPC and /v2/logging: change what is logged while serving
+    rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name, refused,
+                                                                      regions)),
                                   generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
     if group is not None:
@@ -118,7 +121,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     print(f"ferry: serving gRPC on {rpc.host}:{group.port if group else rpc.port}", flush=True)
     web = None
     if config.web is not None:
-        web = WebServer(config.web, registry, health, gate, config.tokens, FrontDoorRequests(prom))
+        web = WebServer(config.web, registry, health, gate, config.tokens, FrontDoorRequests(prom), logs)
         await web.start()
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
     http = None

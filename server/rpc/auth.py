@@ -17,6 +17,7 @@ __all__ = ["CONTROL", "TokenAuth", "Tokens", "read_tokens"]
 CONTROL = frozenset({
     "/inference.GRPCInferenceService/RepositoryModelLoad",
     "/inference.GRPCInferenceService/RepositoryModelUnload",
+    "/inference.GRPCInferenceService/LogSettings",
 })
 
 

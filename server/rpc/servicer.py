@@ -10,6 +10,7 @@ from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__, classification
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.frontdoor import infer_request, serving
+from server.log_settings import LogControl
 from server.metrics import INFER_DURATIONS
 from server.names import parse_version
 from server.repository import inline_load
@@ -23,23 +24,32 @@ from server.runners.base import DECOUPLED, INFER
 from server.shared_memory import SharedMemoryRegistry
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory"]
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory",
+              "logging"]
 
 
 class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: Registry, health, server_name: str = "ferry", control_refused: str = "",
+    def __init__(self, registry: Registry, health, logs: LogControl, server_name: str = "ferry", control_refused: str = "",
                  shared_memory: SharedMemoryRegistry | None = None):
         self.shared_memory = shared_memory if shared_memory is not None else SharedMemoryRegistry()  # the app releases it
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
         self.server_name = server_name  # some Triton clients check for "triton" (--server-name)
         self.control_refused = control_refused  # set (model control modes none, poll): why load/unload are refused
+        self.logs = logs  # LogSettings: what the server writes to its log, changed while it runs
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.health.live)
 
     async def ServerReady(self, request, context):
         return pb.ServerReadyResponse(ready=self.health.ready)
+
+    @translate_errors
+    async def LogSettings(self, request, context):
+        """Triton's logging extension: an empty request reads the settings; one with settings changes them."""
+        changes = {key: _setting(key, value) for key, value in request.settings.items()}
+        values = self.logs.update(changes) if changes else self.logs.values
+        return pb.LogSettingsResponse(settings={key: _setting_value(value) for key, value in values.items()})
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=self.server_name, version=__version__, extensions=EXTENSIONS)
@@ -196,6 +206,18 @@ def classified(outputs: dict, counts: dict[str, int], signature) -> dict:
         outputs = {**outputs, name: classification.classify(
             name, outputs[name], k, signature.labels.get(name, ()), signature.batching)}
     return outputs
+
+
+def _setting(key: str, value: pb.LogSettingsRequest.SettingValue) -> bool | int | str:
+    choice = value.WhichOneof("parameter_choice")
+    if choice is None:
+        raise InvalidInputError(f"log setting '{key}' has no value (bool_param, uint32_param or string_param)")
+    return getattr(value, choice)
+
+
+def _setting_value(value: bool | int | str) -> pb.LogSettingsResponse.SettingValue:
+    field = {bool: "bool_param", int: "uint32_param", str: "string_param"}[type(value)]
+    return pb.LogSettingsResponse.SettingValue(**{field: value})
 
 
 def _statistics(mv: ModelVersion) -> pb.ModelStatistics:

@@ -17,7 +17,8 @@ PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})
 
 
 def is_control(path: str) -> bool:
-    return path.startswith("/v2/repository/models/") and path.endswith(("/load", "/unload"))
+    """Model control and log settings take the admin token, as their gRPC calls do (rpc/auth.py)."""
+    return path == "/v2/logging" or (path.startswith("/v2/repository/models/") and path.endswith(("/load", "/unload")))
 
 
 class Gate:

@@ -17,6 +17,7 @@ from starlette.routing import Route
 from server import __version__
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.frontdoor import infer_request, serving
+from server.log_settings import LogControl
 from server.metrics import INFER_DURATIONS
 from server.names import capped, parse_version
 from server.repository.registry import READY, ModelVersion, Registry
@@ -26,7 +27,7 @@ from server.web.body import read_body
 from server.web.errors import kserve_error, message_of, status_of
 
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "binary_tensor_data",
-              "generate"]
+              "generate", "logging"]
 
 
 def kserve_errors(handler):
@@ -47,15 +48,17 @@ def model_paths(suffix: str) -> list[str]:
 
 
 class KServeRoutes:
-    def __init__(self, registry: Registry, health, body_limit: int):
+    def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl):
         self.registry, self.health, self.body_limit = registry, health, body_limit
+        self.logs = logs
 
     def routes(self) -> list[Route]:
         table = [("/v2/health/live", self.live, "GET"), ("/v2/health/ready", self.ready, "GET"),
                  ("/v2", self.server_metadata, "GET"), ("/v2/models/stats", self.statistics, "GET"),
                  ("/v2/repository/index", self.repository_index, "POST"),
                  ("/v2/repository/models/{name}/load", self.load, "POST"),
-                 ("/v2/repository/models/{name}/unload", self.unload, "POST")]
+                 ("/v2/repository/models/{name}/unload", self.unload, "POST"),
+                 ("/v2/logging", self.logging, "GET"), ("/v2/logging", self.logging, "POST")]
         for suffix, handler, method in (("/ready", self.model_ready, "GET"), ("/config", self.model_config, "GET"),
                                         ("/stats", self.statistics, "GET"), ("/infer", self.infer, "POST"),
                                         ("", self.model_metadata, "GET")):
@@ -120,6 +123,13 @@ class KServeRoutes:
         return JSONResponse([{"name": r.name, "version": r.version, "state": r.state, "reason": r.reason} for r in rows])
 
     @kserve_errors
+    @kserve_errors
+    async def logging(self, request: Request) -> Response:
+        """Triton's logging extension: GET reads the settings, POST changes some and answers them all."""
+        if request.method == "GET":
+            return JSONResponse(self.logs.values)
+        return JSONResponse(self.logs.update(await self._json(request, default={})))
+
     async def load(self, request: Request) -> Response:
         body = await self._json(request, default={})
         if body.get("parameters"):

@@ -17,6 +17,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from server.drain import Drain
+from server.log_settings import LogControl
 from server.metrics import FrontDoorRequests
 from server.repository.registry import Registry
 from server.tokens import Tokens
@@ -35,8 +36,9 @@ class WebOptions:
     body_limit: int = 2**31 - 1  # bytes, as gRPC's message limit
 
 
-def build_app(registry: Registry, health, drain: Drain, tokens: Tokens, counter, options: WebOptions):
-    routes = (KServeRoutes(registry, health, options.body_limit).routes()
+def build_app(registry: Registry, health, drain: Drain, tokens: Tokens, counter, options: WebOptions,
+              logs: LogControl):
+    routes = (KServeRoutes(registry, health, options.body_limit, logs).routes()
               + GenerateRoutes(registry, options.body_limit).routes()
               + OpenAIRoutes(registry, options.body_limit).routes())
     return Gate(Starlette(routes=routes), drain, tokens, counter)
@@ -44,8 +46,8 @@ def build_app(registry: Registry, health, drain: Drain, tokens: Tokens, counter,
 
 class WebServer:
     def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, tokens: Tokens,
-                 requests: FrontDoorRequests):
-        app = build_app(registry, health, drain, tokens, requests.http, options)
+                 requests: FrontDoorRequests, logs: LogControl):
+        app = build_app(registry, health, drain, tokens, requests.http, options, logs)
         self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                      http="httptools", timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)

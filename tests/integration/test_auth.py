@@ -94,6 +94,16 @@ def test_model_control_needs_the_admin_token(server):
     assert stub.ModelReady(pb.ModelReadyRequest(name="simple"), metadata=bearer(INFER_TOKEN), timeout=30).ready
 
 
+def test_log_settings_need_the_admin_token(server):
+    stub = kserve.stub(server.channel)
+    for token, expected in ((None, grpc.StatusCode.UNAUTHENTICATED), (INFER_TOKEN, grpc.StatusCode.PERMISSION_DENIED),
+                            (ADMIN_TOKEN, grpc.StatusCode.OK)):
+        md = bearer(token)
+        assert code_of(lambda md=md: stub.LogSettings(pb.LogSettingsRequest(), metadata=md, timeout=30)) == expected
+    assert http_status(server, "/v2/logging", INFER_TOKEN) == 403
+    assert http_status(server, "/v2/logging", ADMIN_TOKEN) == 200
+
+
 def test_our_client_and_cli_send_the_token(server):
     with InferenceClient(server.address, timeout_s=30, token=INFER_TOKEN) as client:
         assert client.infer("simple", SIMPLE)["OUTPUT0"].tolist() == (A + 1).tolist()

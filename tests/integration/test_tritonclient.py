@@ -49,6 +49,13 @@ def test_health_and_metadata(result):
     assert result["config"]["max_batch_size"] == 4 and result["config"]["input"][0]["data_type"] == "TYPE_FP32"
 
 
+def test_log_settings_read_and_changed_by_tritonclient(result):
+    assert "logging" in result["extensions"]
+    assert result["log_settings"]["log_verbose_level"] == {"uint32_param": 0}
+    assert result["log_settings"]["log_info"] == {"bool_param": True}
+    assert result["log_updated"]["log_verbose_level"] == {"uint32_param": 1}
+
+
 def test_infer_outputs_and_bytes(result):
     assert result["sum_ok"] and result["diff_ok"] and result["id"] == "t-1"
     assert result["subset_outputs"] == ["OUTPUT1"]

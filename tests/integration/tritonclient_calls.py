@@ -49,6 +49,9 @@ def main(url: str) -> None:
     out["index"] = client.get_model_repository_index(as_json=True)["models"]
     out["stats"] = client.get_inference_statistics("simple", as_json=True)["model_stats"][0]
     out["stream"] = stream_calls(client, inputs, a + b)
+    out["log_settings"] = client.get_log_settings(as_json=True)["settings"]
+    out["log_updated"] = client.update_log_settings({"log_verbose_level": 1, "log_info": True}, as_json=True)["settings"]
+    client.update_log_settings({"log_verbose_level": 0})
     print(json.dumps(out))
 
 
