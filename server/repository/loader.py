@@ -18,7 +18,7 @@ from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.names import is_version_folder
 from server.repository import config as config_io
-from server.repository import ensemble_config
+from server.repository import ensemble_config, warmup
 from server.signature import Signature
 
 log = logging.getLogger(__name__)
@@ -119,8 +119,21 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
         backend.instance = index
         entry.backends.append(backend)
         backend.load()
+    if config.model_warmup:
+        _check_warmable(config, source)
+        warmup.run(config, entry.signature, entry.backends, version_dir.parent, source)
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
+
+
+def _check_warmable(config: mc.ModelConfig, source: str) -> None:
+    """Warmup samples are plain batches; kinds whose executions need more are refused, not skipped."""
+    kind = ("a generation model" if config.backend == "llm"
+            else "a decoupled model" if config.model_transaction_policy.decoupled
+            else "a sequence model (its samples would need the sequence's control inputs)"
+            if config.HasField("sequence_batching") else None)
+    if kind is not None:
+        raise ConfigError(f"{source}: model_warmup is not supported by Ferry for {kind} yet; remove it")
 
 
 def _ensemble_version(base: mc.ModelConfig, number: int, on_disk: dict[int, Path], source: str) -> LoadedVersion:
