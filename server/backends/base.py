@@ -37,6 +37,7 @@ class Backend(ABC):
     # BYTES inputs reach the model as text (ONNX Runtime's strings): each element must be UTF-8, which
     # is checked per request at decode, so one client's bad bytes never fail a batch.
     bytes_as_text: bool = False
+    runs_batches: bool = True  # execute() takes a batch of inputs (False: a token-step engine); model_warmup needs it
     instance: int = 0  # index among its model version's instances (0..count-1), set by the loader
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):

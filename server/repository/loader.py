@@ -120,15 +120,15 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
         entry.backends.append(backend)
         backend.load()
     if config.model_warmup:
-        _check_warmable(config, source)
+        _check_warmable(config, backend_cls, source)
         warmup.run(config, entry.signature, entry.backends, version_dir.parent, source)
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
 
 
-def _check_warmable(config: mc.ModelConfig, source: str) -> None:
+def _check_warmable(config: mc.ModelConfig, backend_cls, source: str) -> None:
     """Warmup samples are plain batches; kinds whose executions need more are refused, not skipped."""
-    kind = ("a generation model" if config.backend == "llm"
+    kind = (f"the {backend_cls.name} backend (it runs no batches of inputs)" if not backend_cls.runs_batches
             else "a decoupled model" if config.model_transaction_policy.decoupled
             else "a sequence model (its samples would need the sequence's control inputs)"
             if config.HasField("sequence_batching") else None)

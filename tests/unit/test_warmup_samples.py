@@ -37,3 +37,16 @@ def test_a_file_sample_is_raw_bytes_of_exactly_its_shape(tmp_path):
 def test_a_sample_with_a_variable_dim_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="must be sizes"):
         _tensor("x", spec(dims=[-1], zero_data=True), (1,), tmp_path, None)
+
+
+@pytest.mark.parametrize("config, words", [
+    (mc.ModelConfig(backend="llm"), "the llm backend"),
+    (mc.ModelConfig(backend="python", model_transaction_policy=mc.ModelTransactionPolicy(decoupled=True)), "decoupled"),
+    (mc.ModelConfig(backend="python", sequence_batching=mc.ModelSequenceBatching()), "sequence model"),
+])
+def test_kinds_whose_executions_are_not_plain_batches_refuse_warmup_samples(config, words):
+    from server import backends
+    from server.repository.loader import _check_warmable
+
+    with pytest.raises(ConfigError, match=words):
+        _check_warmable(config, backends.backend_class(config.backend), "m/config.yaml")

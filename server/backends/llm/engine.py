@@ -57,6 +57,7 @@ class EngineSettings:
 class LLMBackend(Backend):
     name = "llm"
     default_filename = "config.json"
+    runs_batches = False  # steps of sequences, never a batch of inputs
 
     @classmethod
     def cuda_devices(cls) -> int:
