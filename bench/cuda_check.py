@@ -22,8 +22,12 @@ Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script 
    N=1 and 2 only, labelled "few cores: direction only". Every N runs on uvloop (the default); one more
    server, N=1 on asyncio's own loop (--event-loop asyncio), shows what uvloop buys where the one loop is
    the limit and spare cores take the load generator.
-Checks 5 and 6 run on the CPU with a tiny model where there is no CUDA, labelled "cpu dry run", so this
-machine exercises their code; 2-4 need CUDA and say SKIP. With --record the lines go to bench/RESULTS.md.
+8. model_warmup (bench/warmup.py, 3 loads): the heavy benchmark model served twice on the GPU
+   (KIND_GPU), with a warmup sample of batch 1 run twice per instance and without; each model's first
+   request after a load against the median of its next 20, and cold's first over warm's first (what
+   warmup saves the first client on CUDA). FAIL if the two answer differently.
+Checks 5, 6 and 8 run on the CPU where there is no CUDA, labelled "cpu dry run", so this machine
+exercises their code; 2-4 need CUDA and say SKIP. With --record the lines go to bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -257,6 +261,17 @@ def check_frontends(tmp: Path) -> Outcome:
     return Outcome(label, verdict(errors == 0), f"{cores} cores, {args.clients} client processes; {figures}; {errors} errors")
 
 
+def check_warmup(cuda: bool, tmp: Path) -> Outcome:
+    from bench import warmup
+
+    label = "model_warmup" + ("" if cuda else " (cpu dry run)")
+    try:
+        rows, same = warmup.measure(tmp / "warmup", "KIND_GPU" if cuda else "KIND_CPU", rounds=3)
+    except (RuntimeError, OSError) as exc:  # a server that did not start is this check's failure
+        return Outcome(label, "FAIL", f"{type(exc).__name__}: {exc}")
+    return Outcome(label, verdict(same), warmup.summary(rows) + ("" if same else "; the two models answered differently"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true")
@@ -273,8 +288,9 @@ def main() -> None:
         for outcome in engine_checks(cuda, Path(tmp)):
             outcomes.append(outcome)
             print(outcome.line(), flush=True)
-        outcomes.append(check_frontends(Path(tmp)))
-        print(outcomes[-1].line(), flush=True)
+        for check in (lambda: check_frontends(Path(tmp)), lambda: check_warmup(cuda, Path(tmp))):
+            outcomes.append(check())
+            print(outcomes[-1].line(), flush=True)
     if args.record:
         common.append_results("CUDA check (bench/cuda_check.py)", "\n".join(f"- {o.line()}" for o in outcomes))
     sys.exit(1 if any(o.status == "FAIL" for o in outcomes) else 0)
