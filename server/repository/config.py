@@ -8,6 +8,7 @@ backend's job; `validate` runs after it.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import yaml
@@ -17,6 +18,8 @@ from protos import model_config_pb2 as mc
 from server.errors import ConfigError
 from server.repository import config_errors
 from server.reshape import validate as validate_reshape
+
+log = logging.getLogger(__name__)
 
 CONFIG_FILES = ("config.yaml", "config.yml", "config.pbtxt")
 _SUPPORTED_SCHEDULING = {None, "dynamic_batching", "ensemble_scheduling", "sequence_batching"}
@@ -104,6 +107,23 @@ def validate(config: mc.ModelConfig, source: str) -> None:
         config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
     if not config.HasField("version_policy"):
         config.version_policy.latest.num_versions = 1
+    _warn_unapplied(config, source)
+
+
+# Triton settings Ferry parses but does not act on: served without them, and said so at every load
+_UNAPPLIED = (("optimization", lambda c: c.HasField("optimization")),
+              ("batch_input", lambda c: len(c.batch_input) > 0), ("batch_output", lambda c: len(c.batch_output) > 0),
+              ("model_repository_agents", lambda c: c.HasField("model_repository_agents")),
+              ("cc_model_filenames", lambda c: len(c.cc_model_filenames) > 0),
+              ("instance_group[].rate_limiter", lambda c: any(g.HasField("rate_limiter") for g in c.instance_group)),
+              ("instance_group[].passive", lambda c: any(g.passive for g in c.instance_group)))
+
+
+def _warn_unapplied(config: mc.ModelConfig, source: str) -> None:
+    unapplied = [name for name, present in _UNAPPLIED if present(config)]
+    if unapplied:
+        log.warning("%s: %s: Triton setting%s that Ferry does not apply yet; the model is served without %s",
+                    source, ", ".join(unapplied), "s" if len(unapplied) > 1 else "", "them" if len(unapplied) > 1 else "it")
 
 
 

@@ -104,3 +104,16 @@ def test_reshape_must_hold_as_many_elements_as_the_dims(tmp_path):
                                         'output [ { name: "y" data_type: TYPE_FP32 dims: [ 2 ] } ]\n')
     with pytest.raises(ConfigError, match=r"input\[0\].reshape.*13 elements but dims \[3, 4\] hold 12"):
         config_io.validate(config_io.read_config(model), "m/config.pbtxt")
+
+
+def test_triton_settings_ferry_does_not_apply_are_named_at_load(tmp_path, caplog):
+    unapplied = YAML + ("optimization: {execution_accelerators: {gpu_execution_accelerator: [{name: tensorrt}]}}\n"
+                        "batch_input: [{kind: BATCH_ELEMENT_COUNT, target_name: [n], data_type: TYPE_FP32}]\n")
+    config = config_io.read_config(write(tmp_path, "config.yaml", unapplied))
+    with caplog.at_level("WARNING", logger="server.repository.config"):
+        config_io.validate(config, "m/config.yaml")
+    assert "m/config.yaml: optimization, batch_input: Triton settings that Ferry does not apply yet" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="server.repository.config"):
+        config_io.validate(config_io.read_config(write(tmp_path, "config.yaml", YAML)), "m/config.yaml")
+    assert "does not apply" not in caplog.text  # a config without them loads quietly
