@@ -21,8 +21,8 @@ from server.log_settings import LogControl
 from server.loop_load import LoopLoad
 from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsCollector
 from server.repository.registry import Registry
-from server.response_cache import ResponseCache
 from server.repository.watcher import RepositoryWatcher
+from server.response_cache import ResponseCache
 from server.rpc.auth import TokenAuth, Tokens
 from server.rpc.drain import DrainGate
 from server.rpc.generate_servicer import GenerationServicer, generation_service

@@ -64,7 +64,7 @@ class LogControl:
     def update(self, changes: dict[str, bool | int | str]) -> dict[str, bool | int | str]:
         """Apply `changes` (all or none: each key and value is checked first); returns every setting."""
         for key, value in changes.items():
-            _check(key, value, self.values[key] if key in self.values else None)
+            _check(key, value, self.values.get(key))
         self.values.update(changes)
         self.root.setLevel(self._level())
         for handler, formatter in self._formats.items():

@@ -3,11 +3,10 @@
 Triton's response cache, with its switches: the server holds one cache (`--cache-config local,size=BYTES`)
 shared by every model whose config says `response_cache: {enable: true}`. A request's key hashes its
 model, version (and which load of it), requested outputs and each input's name, datatype, shape and
-bytes (request parameters
-such as priority or timeout change how a request is scheduled, not its answer, so they are left out),
-so only a request identical in all of those is answered from the cache. Entries are read-only copies
-of the outputs, bounded in bytes, least recently used out first. Only a deterministic model should
-enable it: a hit never runs the model.
+bytes, so only a request identical in all of those is answered from the cache. Request parameters
+such as priority or timeout change how a request is scheduled, not its answer, so they are left out.
+Entries are read-only copies of the outputs, bounded in bytes, least recently used out first. Only a
+deterministic model should enable it: a hit never runs the model.
 
 Every call comes from the event loop, so nothing here locks; the metrics thread reads plain counters.
 """

@@ -20,11 +20,11 @@ import time
 
 import numpy as np
 
+from server import response_cache
 from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
 from server.loop_load import LoopLoad
 from server.metrics import ModelStats
 from server.request import Batch, InferRequest
-from server import response_cache
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, RunnerBase
 from server.runners.isolation import Outcome, run_isolated

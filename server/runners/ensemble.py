@@ -19,9 +19,9 @@ from typing import Callable, Protocol
 import numpy as np
 
 from protos import model_config_pb2 as mc
+from server import response_cache
 from server.errors import FerryError, InvalidInputError, ModelUnavailableError
 from server.metrics import ModelStats
-from server import response_cache
 from server.request import InferRequest
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, Runner, RunnerBase
