@@ -109,8 +109,7 @@ class EnsembleRunner(RunnerBase):
         running: dict[asyncio.Future, Step] = {}
         try:
             while waiting or running:
-                ready = [item for item in waiting if _has_inputs(item[1], tensors)]
-                waiting = [item for item in waiting if not _has_inputs(item[1], tensors)]
+                ready, waiting = _partition(waiting, tensors)
                 if len(ready) == 1 and not running:  # a chain's next link: no task needed
                     number, step = ready[0]
                     _keep(step, await self._run_step(number, step, request, tensors), tensors)
@@ -149,8 +148,12 @@ def _version(step: Step) -> str:
     return str(step.model_version) if step.model_version > 0 else ""  # "": the latest ready version
 
 
-def _has_inputs(step: Step, tensors: dict[str, np.ndarray]) -> bool:
-    return all(tensor in tensors for tensor in step.input_map.values())
+def _partition(waiting: list[tuple[int, Step]], tensors: dict[str, np.ndarray]):
+    """(steps whose inputs all exist now, the rest), each in config order."""
+    ready, rest = [], []
+    for item in waiting:
+        (ready if all(t in tensors for t in item[1].input_map.values()) else rest).append(item)
+    return ready, rest
 
 
 def _keep(step: Step, outputs: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> None:
