@@ -47,9 +47,17 @@ def _serve_parser(sub) -> None:
     p.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
     p.add_argument("--server-name", default="ferry",
                    help="name ServerMetadata reports (\"triton\" for clients that check it)")
-    p.add_argument("--model-control-mode", choices=("none", "poll", "explicit"),
-                   help="as Triton's: none (load all, no load/unload RPCs), poll (none + poll the repository), "
-                        "explicit (load only --load-model, load/unload RPCs allowed). Unset: load all, allow the RPCs")
+    p.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
+                   help="as Triton's: none (the default: load all, refuse load/unload), poll (none + reload what "
+                        "changes in the repository), explicit (load only --load-model, load/unload RPCs allowed)")
+    p.add_argument("--allow-model-upload", action="store_true",
+                   help="explicit mode: let a load carry model files (`file:` parameters), which can run code on this "
+                        "server; off by default (needs the admin token when tokens are set)")
+    p.add_argument("--allow-shared-memory", action="store_true",
+                   help="let clients register system shared-memory regions (maps files from /dev/shm into this "
+                        "process); off by default")
+    p.add_argument("--allow-log-settings", action="store_true",
+                   help="let clients change what the server logs (LogSettings, POST /v2/logging); off by default")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="explicit mode: load this model at start (repeatable; '*' loads all)")
     p.add_argument("--frontend-processes", type=int, default=1,
@@ -99,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         metrics_host=args.metrics_host,
         web=None if args.http_port < 0 else WebOptions(args.host, args.http_port, args.max_message_bytes),
         server_name=args.server_name,
-        model_control_mode=args.model_control_mode or "",
+        model_control_mode=args.model_control_mode,
+        allow_model_upload=args.allow_model_upload,
+        allow_shared_memory=args.allow_shared_memory,
+        allow_log_settings=args.allow_log_settings,
         load_models=frozenset(args.load_model),
         frontend_processes=args.frontend_processes,
         event_loop=args.event_loop,
@@ -167,10 +178,10 @@ def _poll_seconds(parser: argparse.ArgumentParser, args) -> float:
     poll_s = args.poll_repository_seconds
     if args.model_control_mode == "poll":
         return poll_s or 15.0  # Triton's --repository-poll-secs default
-    if args.model_control_mode and poll_s:
-        parser.error(f"--poll-repository-seconds polls the repository; --model-control-mode {args.model_control_mode} does not")
+    if poll_s:
+        parser.error("--poll-repository-seconds reloads what changes in the repository: it needs "
+                     "--model-control-mode poll")
     return poll_s
-
 
 if __name__ == "__main__":
     main()

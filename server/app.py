@@ -55,7 +55,10 @@ class ServerConfig:
     metrics_host: str | None = None  # None: the gRPC host
     web: WebOptions | None = field(default_factory=WebOptions)  # None: no HTTP front door
     server_name: str = "ferry"  # ServerMetadata's name
-    model_control_mode: str = ""  # Triton's none | poll | explicit; "": load all, load/unload allowed, poll if asked
+    model_control_mode: str = "none"  # Triton's none (load all, refuse load/unload) | poll | explicit
+    allow_model_upload: bool = False  # explicit mode: loads may carry model files (`file:` parameters)
+    allow_shared_memory: bool = False  # clients may register system shared-memory regions
+    allow_log_settings: bool = False  # clients may change the log settings
     load_models: frozenset[str] | None = None  # explicit mode: the models loaded at start ('*': all)
     frontend_processes: int = 1  # >= 2: that many processes serve gRPC on the port (server/frontend/)
     frontend_arena_bytes: int = DEFAULT_ARENA_BYTES  # shared memory per front-end process for tensors
@@ -130,8 +133,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
         http = MetricsServer(prom, metrics_host, config.metrics_port)
         print(f"ferry: serving metrics on http://{metrics_host}:{http.port}/metrics", flush=True)
     explicit = config.model_control_mode == "explicit"
-    await registry.load_all(config.load_models if explicit and "*" not in (config.load_models or ()) else
-                            frozenset() if explicit else None)
+    everything = not explicit or "*" in (config.load_models or ())  # Triton: `--load-model '*'` loads all
+    await registry.load_all(None if everything else config.load_models or frozenset())
     heap.park()
     health.ready = True
     await rpc.set_serving(True)

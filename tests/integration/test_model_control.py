@@ -75,7 +75,7 @@ def test_a_failed_reload_keeps_the_old_version_serving(repo):
 
 
 def test_polling_picks_up_new_changed_and_removed_models(repo):
-    server = RunningServer(repo, "--poll-repository-seconds", "0.1")
+    server = RunningServer(repo, "--model-control-mode", "poll", "--poll-repository-seconds", "0.1")
     try:
         builders.mlp(repo / "late" / "1" / "model.onnx", 4, seed=3)
         wait_for(lambda: index(server).get("late", ("", ""))[1] == "READY")
