@@ -49,7 +49,9 @@ def measure(root: Path, kind: str, rounds: int) -> tuple[dict, bool]:
     from clients.client import InferenceClient
 
     x = np.random.default_rng(1).standard_normal((1, 32, 512), dtype=np.float32)
-    proc, address = common.start_server(common.ferry_command(repository(root, kind)), timeout_s=600)
+    # reloads need explicit model control (off by default)
+    command = common.ferry_command(repository(root, kind), "--model-control-mode", "explicit", "--load-model", "*")
+    proc, address = common.start_server(command, timeout_s=600)
     rows: dict[str, list[float]] = {"cold first / steady": [], "warm first / steady": [], "cold first / warm first": [],
                                     "cold first ms": [], "warm first ms": []}
     same = True

@@ -56,6 +56,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--allow-shared-memory", action="store_true",
                    help="let clients register system shared-memory regions (maps files from /dev/shm into this "
                         "process); off by default")
+    p.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+                   help="as Triton's: gRPC calls in these categories (health, metadata, inference, shared-memory, "
+                        "model-config, model-repository, statistics, trace, logging) need the metadata "
+                        "triton-grpc-protocol-KEY: VALUE (repeatable, one group per category)")
+    p.add_argument("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+                   help="as Triton's: HTTP calls in these categories need the header KEY: VALUE (repeatable)")
     p.add_argument("--allow-log-settings", action="store_true",
                    help="let clients change what the server logs (LogSettings, POST /v2/logging); off by default")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
@@ -111,6 +117,8 @@ def main(argv: list[str] | None = None) -> None:
         allow_model_upload=args.allow_model_upload,
         allow_shared_memory=args.allow_shared_memory,
         allow_log_settings=args.allow_log_settings,
+        grpc_restricted=_restrictions(parser, "--grpc-restricted-protocol", args.grpc_restricted_protocol),
+        http_restricted=_restrictions(parser, "--http-restricted-api", args.http_restricted_api),
         load_models=frozenset(args.load_model),
         frontend_processes=args.frontend_processes,
         event_loop=args.event_loop,
@@ -139,6 +147,8 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
         event_loop.loop_factory(args.event_loop)
     except event_loop.EventLoopUnavailable as exc:
         parser.error(str(exc))
+    if args.allow_model_upload and args.model_control_mode != "explicit":
+        parser.error("--allow-model-upload lets loads carry model files: it needs --model-control-mode explicit")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
 
@@ -160,6 +170,17 @@ def _cache_bytes(parser: argparse.ArgumentParser, values: list[str]) -> int:
     if values and not size:
         parser.error("--cache-config local needs a size: --cache-config local,size=BYTES")
     return size
+
+
+def _restrictions(parser: argparse.ArgumentParser, flag: str, values: list[str]) -> tuple:
+    from server.access import parse_restriction, restriction_table
+
+    try:
+        groups = tuple(parse_restriction(value) for value in values)
+        restriction_table(list(groups))  # refuses a category named in two groups
+    except ValueError as exc:
+        parser.error(f"{flag}: {exc}")
+    return groups
 
 
 def _tokens(parser: argparse.ArgumentParser, args) -> Tokens:

@@ -23,7 +23,10 @@ from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsC
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
 from server.response_cache import ResponseCache
-from server.rpc.auth import TokenAuth, Tokens
+from server.access import AccessPolicy, Restriction, restriction_table, GRPC_HEADER_PREFIX
+from server.model_control import ModelControl
+from server.rpc.auth import AccessCheck
+from server.tokens import Tokens
 from server.rpc.drain import DrainGate
 from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
@@ -34,9 +37,6 @@ from server.shared_memory import SharedMemoryRegistry
 from server.web.server import WebOptions, WebServer
 
 log = logging.getLogger("ferry")
-# Triton's text (tritonclient users match on it), then what to do instead.
-CONTROL_REFUSED = ("explicit model load / unload is not allowed if polling is enabled: this server runs with "
-                   "--model-control-mode none or poll; start it with --model-control-mode explicit to load and unload")
 QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
 
 
@@ -59,6 +59,8 @@ class ServerConfig:
     allow_model_upload: bool = False  # explicit mode: loads may carry model files (`file:` parameters)
     allow_shared_memory: bool = False  # clients may register system shared-memory regions
     allow_log_settings: bool = False  # clients may change the log settings
+    grpc_restricted: tuple[Restriction, ...] = ()  # Triton's --grpc-restricted-protocol groups
+    http_restricted: tuple[Restriction, ...] = ()  # Triton's --http-restricted-api groups
     load_models: frozenset[str] | None = None  # explicit mode: the models loaded at start ('*': all)
     frontend_processes: int = 1  # >= 2: that many processes serve gRPC on the port (server/frontend/)
     frontend_arena_bytes: int = DEFAULT_ARENA_BYTES  # shared memory per front-end process for tensors
@@ -105,17 +107,20 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     factory.models.bind(registry.get)  # ensembles find their step models at call time
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))
     gate = DrainGate()
-    interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
-    refused = CONTROL_REFUSED if config.model_control_mode in ("none", "poll") else ""
-    regions = SharedMemoryRegistry()  # system shared memory regions clients register; released at shutdown
+    grpc_access = AccessPolicy(config.tokens, restriction_table(list(config.grpc_restricted), GRPC_HEADER_PREFIX))
+    http_access = AccessPolicy(config.tokens, restriction_table(list(config.http_restricted)))
+    interceptors = [AccessCheck(grpc_access), gate] if grpc_access.enabled else [gate]
+    control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
+    # system shared memory regions clients register (only with --allow-shared-memory); released at shutdown
+    regions = SharedMemoryRegistry(allow_register=config.allow_shared_memory)
     stop = asyncio.Event()
     group, rpc_options = None, config.rpc
     if config.frontend_processes > 1:
-        group = FrontendGroup(config.frontend_processes, config.rpc, config.tokens, config.drain_grace_s,
+        group = FrontendGroup(config.frontend_processes, config.rpc, grpc_access, config.drain_grace_s,
                               config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set)
         rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
-    logs = LogControl()  # the LogSettings RPC and /v2/logging: change what is logged while serving
-    rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name, refused,
+    logs = LogControl(allow_updates=config.allow_log_settings)  # LogSettings and /v2/logging (--allow-log-settings)
+    rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name, control,
                                                                       regions)),
                                   generation_service(GenerationServicer(registry))], interceptors)
     await rpc.start()
@@ -124,7 +129,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     print(f"ferry: serving gRPC on {rpc.host}:{group.port if group else rpc.port}", flush=True)
     web = None
     if config.web is not None:
-        web = WebServer(config.web, registry, health, gate, config.tokens, FrontDoorRequests(prom), logs)
+        web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control)
         await web.start()
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
     http = None

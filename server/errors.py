@@ -51,3 +51,7 @@ class RegionNotFoundError(FerryError):
 
 class AlreadyExistsError(FerryError):
     """The name is taken (a shared memory region registered twice)."""
+
+
+class DisabledError(FerryError):
+    """The server's operator has not turned this on (a flag enables it); the message names the flag."""

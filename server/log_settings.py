@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
-from server.errors import InvalidInputError
+from server.errors import DisabledError, InvalidInputError
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FORMATS = ("default", "ISO8601")
@@ -49,8 +49,9 @@ class _Severities(logging.Filter):
 class LogControl:
     """The server's log settings, starting from `--log-level`; every change goes through `update`."""
 
-    def __init__(self, root: logging.Logger | None = None):
+    def __init__(self, root: logging.Logger | None = None, allow_updates: bool = True):
         self.root = root or logging.getLogger()
+        self.allow_updates = allow_updates  # off: the settings can be read, not changed (--allow-log-settings)
         start = self.root.getEffectiveLevel()
         self.values: dict[str, bool | int | str] = {
             "log_file": "", "log_verbose_level": 1 if start <= logging.DEBUG else 0, "log_format": "default",
@@ -63,6 +64,9 @@ class LogControl:
 
     def update(self, changes: dict[str, bool | int | str]) -> dict[str, bool | int | str]:
         """Apply `changes` (all or none: each key and value is checked first); returns every setting."""
+        if changes and not self.allow_updates:
+            raise DisabledError("changing the log settings is turned off on this server; start it with "
+                                "--allow-log-settings to allow it (the admin token is needed too when tokens are set)")
         for key, value in changes.items():
             _check(key, value, self.values.get(key))
         self.values.update(changes)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from server import datatypes, tensors
-from server.errors import AlreadyExistsError, InvalidInputError, RegionNotFoundError
+from server.errors import AlreadyExistsError, DisabledError, InvalidInputError, RegionNotFoundError
 from server.names import capped, shown
 
 log = logging.getLogger(__name__)
@@ -130,14 +130,22 @@ class Region:
             log.debug("shared memory region %r: mapping still referenced, unmapped when released", self.name)
 
 
+REGISTER_REFUSED = ("registering a shared memory region is turned off on this server: it maps a file that the client "
+                    "names into the server's memory; start the server with --allow-shared-memory to allow it, or send "
+                    "the tensors in the request")
+
+
 class SharedMemoryRegistry:
     """Name -> Region. Regions are released on unregister and by `close()` at shutdown."""
 
-    def __init__(self, directory: Path = SHM_DIR):
+    def __init__(self, directory: Path = SHM_DIR, allow_register: bool = True):
         self.directory = directory
+        self.allow_register = allow_register  # off: the server maps nothing a client names (--allow-shared-memory)
         self._regions: dict[str, Region] = {}
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> Region:
+        if not self.allow_register:
+            raise DisabledError(REGISTER_REFUSED)
         if not name:
             raise InvalidInputError("a shared memory region needs a name")
         if name in self._regions:  # Triton's words

@@ -48,7 +48,8 @@ def authorize(tokens: Tokens, authorization: str | bytes | None, control: bool) 
     if not admin and not _matches(token, tokens.inference):
         return Denial(UNAUTHENTICATED, "the bearer token is not valid for this server")
     if control and not admin:
-        return Denial(FORBIDDEN, "loading and unloading models needs the admin token (--admin-token-file)")
+        return Denial(FORBIDDEN, "this call changes what the server serves or how it behaves (model load/unload, "
+                                 "log or trace settings): it needs the admin token (--admin-token-file)")
     return None
 
 

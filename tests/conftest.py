@@ -144,7 +144,8 @@ def serve_client_test_models(repo: Path) -> RunningServer:
     builders.identity_all_types(repo / "types" / "1" / "model.onnx")
     gate = repo / "gate"
     builders.gated_model(repo, "gated", gate=gate, max_batch_size=1)
-    server = RunningServer(repo)
+    # the clients' load/unload calls need explicit model control (off by default)
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")
     server.gate = gate
     return server
 

@@ -17,13 +17,13 @@ from server.frontend.engine_door import EngineDoor
 from server.frontend.supervisor import Frontends, reserve_port
 from server.repository.registry import Registry
 from server.rpc.server import RpcOptions
-from server.tokens import Tokens
+from server.access import AccessPolicy
 
 DEFAULT_ARENA_BYTES = 64 * 2**20  # per front end: half for requests, half for answers; fuller means inline
 
 
 class FrontendGroup:
-    def __init__(self, count: int, rpc: RpcOptions, tokens: Tokens, grace_s: float, arena_bytes: int, loop: str,
+    def __init__(self, count: int, rpc: RpcOptions, access: AccessPolicy, grace_s: float, arena_bytes: int, loop: str,
                  registry: Registry, drain: Drain, on_failed):
         self.folder = Path(tempfile.mkdtemp(prefix="ferry-"))  # 0700: only this user reaches the engine's sockets
         self.engine_socket = self.folder / "engine.sock"
@@ -35,7 +35,8 @@ class FrontendGroup:
             "host": rpc.host, "port": self.port, "max_message_bytes": rpc.max_message_bytes,
             "max_concurrent_rpcs": rpc.max_concurrent_rpcs, "tls_cert": _path(rpc.tls_cert),
             "tls_key": _path(rpc.tls_key), "tls_ca": _path(rpc.tls_ca),
-            "auth": [t.decode() for t in tokens.inference], "admin": [t.decode() for t in tokens.admin],
+            "auth": [t.decode() for t in access.tokens.inference], "admin": [t.decode() for t in access.tokens.admin],
+            "restricted": [[category, header, value.decode()] for category, (header, value) in access.restricted.items()],
             "door": str(self.door.path), "engine": str(self.engine_socket), "arena_bytes": arena_bytes,
             "drain_grace_s": grace_s, "log_level": logging.getLevelName(logging.getLogger().level), "event_loop": loop,
         }

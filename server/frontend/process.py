@@ -27,7 +27,8 @@ from server import event_loop
 from server.frontend.arena import Arena
 from server.frontend.infer import METHOD, EngineLink, FrontInfer
 from server.frontend.proxy import Relay
-from server.rpc.auth import TokenAuth
+from server.access import AccessPolicy
+from server.rpc.auth import AccessCheck
 from server.rpc.drain import DrainGate
 from server.rpc.passthrough import MalformedBodies
 from server.tokens import Tokens
@@ -71,8 +72,9 @@ async def serve(spec: dict) -> int:
     unlimited = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     channel = grpc.aio.insecure_channel(f"unix:{spec['engine']}", options=unlimited)
     gate = DrainGate()
-    tokens = Tokens(tuple(t.encode() for t in spec["auth"]), tuple(t.encode() for t in spec["admin"]))
-    server = _server(spec, [TokenAuth(tokens), gate] if tokens.enabled else [gate])
+    access = AccessPolicy(Tokens(tuple(t.encode() for t in spec["auth"]), tuple(t.encode() for t in spec["admin"])),
+                          {category: (header, value.encode()) for category, header, value in spec["restricted"]})
+    server = _server(spec, [AccessCheck(access), gate] if access.enabled else [gate])
     relay = Relay(channel, skip=frozenset({METHOD}))
     front = FrontInfer(link, relay, MalformedBodies())
     handlers = {"ModelInfer": front.handler()}

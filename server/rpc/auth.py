@@ -1,37 +1,32 @@
-"""Bearer-token authentication for gRPC: the metadata's `authorization` checked by server/tokens.py.
+"""The gRPC side of server/access.py: each call's method looked up in the one table, its metadata checked.
 
-Off unless a token is configured. Tokens travel in the `authorization: Bearer <token>` metadata that
-tritonclient sends with `headers=`. Probes stay open so load balancers and orchestrators need no secret.
+Off unless tokens or restricted categories are configured. Tokens travel in the `authorization:
+Bearer <token>` metadata that tritonclient sends with `headers=`; a restricted category's key in
+`triton-grpc-protocol-<key>`, as Triton reads it.
 """
 
 from __future__ import annotations
 
 import grpc
 
-from server.rpc.drain import PROBES
+from server.access import RESTRICTED, AccessPolicy, grpc_operation
 from server.rpc.refusal import refusal
-from server.tokens import UNAUTHENTICATED, Tokens, authorize, read_tokens
+from server.tokens import UNAUTHENTICATED
 
-__all__ = ["CONTROL", "TokenAuth", "Tokens", "read_tokens"]
-
-CONTROL = frozenset({
-    "/inference.GRPCInferenceService/RepositoryModelLoad",
-    "/inference.GRPCInferenceService/RepositoryModelUnload",
-    "/inference.GRPCInferenceService/LogSettings",
-})
+# Triton answers a missing restricted header UNAVAILABLE; Ferry says PERMISSION_DENIED with Triton's
+# words, so clients that match the text still do and retry policies do not retry a refusal.
+_CODES = {UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED, RESTRICTED: grpc.StatusCode.PERMISSION_DENIED}
 
 
-class TokenAuth(grpc.aio.ServerInterceptor):
-    def __init__(self, tokens: Tokens):
-        self.tokens = tokens
+class AccessCheck(grpc.aio.ServerInterceptor):
+    def __init__(self, policy: AccessPolicy):
+        self.policy = policy
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if details.method in PROBES:
-            return handler
-        value = next((v for k, v in details.invocation_metadata or () if k == "authorization"), None)
-        denial = authorize(self.tokens, value, details.method in CONTROL)
+        metadata = details.invocation_metadata or ()
+        denial = self.policy.check(grpc_operation(details.method),
+                                   lambda key: next((v for k, v in metadata if k == key), None))
         if denial is None:
             return handler
-        code = grpc.StatusCode.UNAUTHENTICATED if denial.kind == UNAUTHENTICATED else grpc.StatusCode.PERMISSION_DENIED
-        return refusal(handler, code, denial.message)
+        return refusal(handler, _CODES.get(denial.kind, grpc.StatusCode.PERMISSION_DENIED), denial.message)

@@ -26,6 +26,7 @@ STATUS = {
     errors.UnsupportedError: grpc.StatusCode.UNIMPLEMENTED,
     errors.RegionNotFoundError: grpc.StatusCode.NOT_FOUND,
     errors.AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,  # as Triton answers a region registered twice
+    errors.DisabledError: grpc.StatusCode.PERMISSION_DENIED,  # the server's flags forbid it, whoever asks
 }
 
 

@@ -11,9 +11,9 @@ from server import __version__, classification
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.frontdoor import infer_request, serving
 from server.log_settings import LogControl
+from server.model_control import ModelControl
 from server.metrics import INFER_DURATIONS
 from server.names import parse_version
-from server.repository import inline_load
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest
 from server.rpc import codec
@@ -29,13 +29,13 @@ EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule
 
 
 class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: Registry, health, logs: LogControl, server_name: str = "ferry", control_refused: str = "",
-                 shared_memory: SharedMemoryRegistry | None = None):
+    def __init__(self, registry: Registry, health, logs: LogControl, server_name: str = "ferry",
+                 control: ModelControl | None = None, shared_memory: SharedMemoryRegistry | None = None):
         self.shared_memory = shared_memory if shared_memory is not None else SharedMemoryRegistry()  # the app releases it
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
         self.server_name = server_name  # some Triton clients check for "triton" (--server-name)
-        self.control_refused = control_refused  # set (model control modes none, poll): why load/unload are refused
+        self.control = control or ModelControl(registry)  # load / unload, as the server's model control mode allows
         self.logs = logs  # LogSettings: what the server writes to its log, changed while it runs
 
     async def ServerLive(self, request, context):
@@ -103,19 +103,13 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
 
     @translate_errors
     async def RepositoryModelLoad(self, request, context):
-        if self.control_refused:
-            raise ModelUnavailableError(self.control_refused)
         # The KServe SDK's variant of this message puts the model name in field 1 (repository_name).
-        name = request.model_name or request.repository_name
-        override = inline_load.parse(name, codec.decode_parameters(request.parameters))
-        await self.registry.load(name, override)
+        await self.control.load(request.model_name or request.repository_name, codec.decode_parameters(request.parameters))
         return pb.RepositoryModelLoadResponse()
 
     @translate_errors
     async def RepositoryModelUnload(self, request, context):
-        if self.control_refused:
-            raise ModelUnavailableError(self.control_refused)
-        await self.registry.unload(request.model_name or request.repository_name)
+        await self.control.unload(request.model_name or request.repository_name)
         return pb.RepositoryModelUnloadResponse()
 
     @translate_errors

@@ -31,6 +31,7 @@ STATUS = {
     errors.BackendError: 500,
     errors.RegionNotFoundError: 404,
     errors.AlreadyExistsError: 409,
+    errors.DisabledError: 403,
 }
 # OpenAI's `error.type` for each status, as its SDK raises them (BadRequestError, NotFoundError, ...).
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -1,29 +1,26 @@
-"""The ASGI layer every HTTP call passes first: drain refusal, bearer tokens, request counts.
+"""The ASGI layer every HTTP call passes first: drain refusal, access checks, request counts.
 
 The same decisions as gRPC's interceptors, from the same objects: the server's `Drain` (503 while
-draining, counted so the app knows when callers have gone) and `tokens.authorize` (401 without a valid
-token, 403 for model control without the admin token). Probes stay open, as over gRPC. Plain ASGI
-rather than Starlette's BaseHTTPMiddleware, which would buffer streamed answers.
+draining, counted so the app knows when callers have gone) and the one access table of
+server/access.py (401 without a valid token, 403 for a call the token may not make or a restricted
+category without its header). Probes stay open to tokens and drain, as over gRPC. Plain ASGI rather
+than Starlette's BaseHTTPMiddleware, which would buffer streamed answers.
 """
 
 from __future__ import annotations
 
 import json
 
+from server.access import AccessPolicy, http_operation
 from server.drain import SHUTTING_DOWN, Drain
-from server.tokens import UNAUTHENTICATED, Tokens, authorize
+from server.tokens import UNAUTHENTICATED
 
 PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})
 
 
-def is_control(path: str) -> bool:
-    """Model control and log settings take the admin token, as their gRPC calls do (rpc/auth.py)."""
-    return path == "/v2/logging" or (path.startswith("/v2/repository/models/") and path.endswith(("/load", "/unload")))
-
-
 class Gate:
-    def __init__(self, app, drain: Drain, tokens: Tokens, counter):
-        self.app, self.drain, self.tokens, self.counter = app, drain, tokens, counter
+    def __init__(self, app, drain: Drain, access: AccessPolicy, counter):
+        self.app, self.drain, self.access, self.counter = app, drain, access, counter
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -47,16 +44,17 @@ class Gate:
 
     def _refusal(self, scope) -> tuple[int, str] | None:
         path = scope["path"]
+        operation = http_operation(scope.get("method", "GET"), path)
+        if self.access.enabled:
+            headers = scope["headers"]
+            denial = self.access.check(operation, lambda key: next((v for k, v in headers if k == key.encode()), None))
+            if denial is not None:
+                return (401 if denial.kind == UNAUTHENTICATED else 403), denial.message
         if path in PROBES:
             return None
         if self.drain.closed:
             self.drain.refuse()
             return 503, SHUTTING_DOWN
-        if self.tokens.enabled:
-            value = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            denial = authorize(self.tokens, value, is_control(path))
-            if denial is not None:
-                return (401 if denial.kind == UNAUTHENTICATED else 403), denial.message
         return None
 
 

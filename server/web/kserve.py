@@ -6,7 +6,10 @@ does (server/frontdoor.py is shared), and writes Triton's JSON; errors go throug
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
+import json
 import time
 
 from google.protobuf.json_format import MessageToDict
@@ -15,11 +18,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server import __version__
-from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
+from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.frontdoor import infer_request, serving
 from server.log_settings import LogControl
+from server.model_control import ModelControl
 from server.metrics import INFER_DURATIONS
-from server.names import capped, parse_version
+from server.names import parse_version, shown
 from server.repository.registry import READY, ModelVersion, Registry
 from server.runners.base import INFER
 from server.web import tensors
@@ -48,8 +52,8 @@ def model_paths(suffix: str) -> list[str]:
 
 
 class KServeRoutes:
-    def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl):
-        self.registry, self.health, self.body_limit = registry, health, body_limit
+    def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl, control: ModelControl):
+        self.registry, self.health, self.body_limit, self.control = registry, health, body_limit, control
         self.logs = logs
 
     def routes(self) -> list[Route]:
@@ -123,26 +127,22 @@ class KServeRoutes:
         return JSONResponse([{"name": r.name, "version": r.version, "state": r.state, "reason": r.reason} for r in rows])
 
     @kserve_errors
-    @kserve_errors
     async def logging(self, request: Request) -> Response:
         """Triton's logging extension: GET reads the settings, POST changes some and answers them all."""
         if request.method == "GET":
             return JSONResponse(self.logs.values)
         return JSONResponse(self.logs.update(await self._json(request, default={})))
 
+    @kserve_errors
     async def load(self, request: Request) -> Response:
         body = await self._json(request, default={})
-        if body.get("parameters"):
-            given = capped(str(sorted(body["parameters"])), 300)
-            raise UnsupportedError(f"load parameters {given} (config override, files) are not supported; "
-                                   "edit the model folder and load it again")
-        await self.registry.load(request.path_params["name"])
+        await self.control.load(request.path_params["name"], load_parameters(body.get("parameters") or {}))
         return Response(status_code=200)
 
     @kserve_errors
     async def unload(self, request: Request) -> Response:
         await self._json(request, default={})
-        await self.registry.unload(request.path_params["name"])
+        await self.control.unload(request.path_params["name"])
         return Response(status_code=200)
 
     @kserve_errors
@@ -169,6 +169,26 @@ class KServeRoutes:
         if not isinstance(parsed, dict):
             raise InvalidInputError(f"the request body must be a JSON object, got {type(parsed).__name__}")
         return parsed
+
+
+def load_parameters(parameters) -> dict:
+    """Triton's HTTP load parameters -> what the gRPC door decodes: `config` a JSON string (an object is
+    taken too), each `file:<path>` base64 text -> its bytes."""
+    if not isinstance(parameters, dict):
+        raise InvalidInputError(f"the load's 'parameters' must be a JSON object, got {type(parameters).__name__}")
+    decoded = {}
+    for key, value in parameters.items():
+        if key == "config" and isinstance(value, dict):
+            value = json.dumps(value)
+        elif key.startswith("file:"):
+            if not isinstance(value, str):
+                raise InvalidInputError(f"load parameter {shown(key)} must be the file's content in base64 text")
+            try:
+                value = base64.b64decode(value, validate=True)
+            except binascii.Error as exc:
+                raise InvalidInputError(f"load parameter {shown(key)} is not valid base64: {exc}") from None
+        decoded[key] = value
+    return decoded
 
 
 def _model(request: Request) -> tuple[str, str]:

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import uvicorn
 from starlette.applications import Starlette
 
+from server.access import AccessPolicy
 from server.drain import Drain
 from server.log_settings import LogControl
 from server.metrics import FrontDoorRequests
+from server.model_control import ModelControl
 from server.repository.registry import Registry
-from server.tokens import Tokens
 from server.web.gate import Gate
 from server.web.generate import GenerateRoutes
 from server.web.kserve import KServeRoutes
@@ -36,18 +37,18 @@ class WebOptions:
     body_limit: int = 2**31 - 1  # bytes, as gRPC's message limit
 
 
-def build_app(registry: Registry, health, drain: Drain, tokens: Tokens, counter, options: WebOptions,
-              logs: LogControl):
-    routes = (KServeRoutes(registry, health, options.body_limit, logs).routes()
+def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
+              logs: LogControl, control: ModelControl):
+    routes = (KServeRoutes(registry, health, options.body_limit, logs, control).routes()
               + GenerateRoutes(registry, options.body_limit).routes()
               + OpenAIRoutes(registry, options.body_limit).routes())
-    return Gate(Starlette(routes=routes), drain, tokens, counter)
+    return Gate(Starlette(routes=routes), drain, access, counter)
 
 
 class WebServer:
-    def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, tokens: Tokens,
-                 requests: FrontDoorRequests, logs: LogControl):
-        app = build_app(registry, health, drain, tokens, requests.http, options, logs)
+    def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, access: AccessPolicy,
+                 requests: FrontDoorRequests, logs: LogControl, control: ModelControl):
+        app = build_app(registry, health, drain, access, requests.http, options, logs, control)
         self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                      http="httptools", timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)

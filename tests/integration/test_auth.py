@@ -34,8 +34,10 @@ def server(tmp_path_factory):
     repo = tmp / "repo"
     repo.mkdir()
     link_shipped_models(repo, "simple")
+    # explicit model control: the load/unload rights are what these tests check (the default refuses them all)
     running = RunningServer(repo, "--auth-token-file", str(tmp / "infer.tokens"),
-                            "--admin-token-file", str(tmp / "admin.tokens"))
+                            "--admin-token-file", str(tmp / "admin.tokens"), "--model-control-mode", "explicit",
+                            "--load-model", "*")
     yield running
     running.stop()
 

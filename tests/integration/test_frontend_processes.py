@@ -53,7 +53,7 @@ def servers(tmp_path_factory):
     started = []
     try:
         for extra in ((), FRONTENDS, (*FRONTENDS, "--frontend-arena-bytes", "4096")):
-            started.append(RunningServer(repo, *extra))
+            started.append(RunningServer(repo, *extra, "--allow-shared-memory"))  # regions: off by default
         for server in started:
             server.gate = gate
         yield started

@@ -112,7 +112,7 @@ def server(tmp_path_factory):
     builders.add_sub(repo / "simple" / "1" / "model.onnx")
     builders.gated_model(repo, "py")
     link_shipped_models(repo, "tiny_llama")
-    server = RunningServer(repo)
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")  # fuzzed unloads reach the registry
     yield server
     server.stop()
     print(f"\nfuzzed statuses: {dict(SEEN)}")

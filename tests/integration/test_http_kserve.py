@@ -30,7 +30,7 @@ def server(tmp_path_factory):
                        [builders.tensor("TEXT_OUT", TensorProto.STRING, ["batch", 2])], repo / "echo" / "1" / "model.onnx")
     (repo / "broken" / "1").mkdir(parents=True)
     (repo / "broken" / "1" / "model.onnx").write_bytes(b"junk")
-    running = RunningServer(repo, "--max-message-bytes", str(1 << 20))
+    running = RunningServer(repo, "--max-message-bytes", str(1 << 20), "--model-control-mode", "explicit", "--load-model", "*")  # load/unload: explicit control
     yield running
     running.stop()
 

@@ -32,7 +32,7 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     builders.gated_model(repo, "gated", "dynamic_batching: {}\n")
     builders.gated_model(repo, "warns", "response_cache: {enable: true}\n")  # its every load logs the FENCE warning
-    running = RunningServer(repo)
+    running = RunningServer(repo, "--allow-log-settings")  # changes the settings: off by default
     yield running
     running.stop()
 

@@ -35,7 +35,7 @@ def repo(tmp_path):
 
 
 def test_unload_and_load_through_the_rpcs(repo):
-    server = RunningServer(repo)
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")  # load/unload calls: explicit model control
     try:
         api = kserve.stub(server.channel)
         assert "model_repository" in api.ServerMetadata(pb.ServerMetadataRequest()).extensions
@@ -61,7 +61,7 @@ def test_unload_and_load_through_the_rpcs(repo):
 
 
 def test_a_failed_reload_keeps_the_old_version_serving(repo):
-    server = RunningServer(repo)
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")  # load/unload calls: explicit model control
     try:
         before = kserve.infer(server.channel, "mlp", {"X": X})["Y"]
         (repo / "mlp" / "config.yaml").write_text("max_batch_size: 4\nnot_a_field: 1\n")

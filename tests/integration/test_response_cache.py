@@ -44,7 +44,7 @@ def server(tmp_path_factory):
     model_kinds.python_model(repo, "streamer", STREAMER_MODEL, STREAMER_CONFIG)
     builders.gated_model(repo, "step", "dynamic_batching: {}\n")
     model_kinds.ensemble(repo, "pipeline", [("step", {"X": "X"}, "OUT")], "OUT", "response_cache {enable: true}\n")
-    running = RunningServer(repo, "--cache-config", "local,size=1048576")
+    running = RunningServer(repo, "--cache-config", "local,size=1048576", "--model-control-mode", "explicit", "--load-model", "*")  # reloads: explicit control
     running.repo = repo
     yield running
     running.stop()
@@ -115,7 +115,7 @@ def test_a_model_without_the_cache_runs_every_request(server):
 
 def test_a_reloaded_model_never_answers_from_its_old_loads_entries(tmp_path):
     builders.gated_model(tmp_path, "cached", CACHED)
-    server = RunningServer(tmp_path, "--cache-config", "local,size=1048576")
+    server = RunningServer(tmp_path, "--cache-config", "local,size=1048576", "--model-control-mode", "explicit", "--load-model", "*")  # reloads: explicit control
     try:
         infer(server, "cached", GO)
         assert stats(server, "cached").inference_stats.cache_miss.count == 1

@@ -36,7 +36,7 @@ def env(tmp_path_factory):
     for name in ("loop", "mixed"):
         shutil.copytree(repo / name / "1", repo / f"{name}_off" / "1")
         (repo / f"{name}_off" / "config.yaml").write_text(llm_builders.llm_config(max_num_batched_tokens=48))
-    server = RunningServer(repo)
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")  # loads a model: explicit control
     yield server, repo
     server.stop()
 

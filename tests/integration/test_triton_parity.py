@@ -85,7 +85,7 @@ def test_model_control_explicit_mode_config_override_and_inline_files(tmp_path):
     server_tmp = tmp_path / "server-tmp"  # the server's own TMPDIR: other processes' inline folders never show here
     server_tmp.mkdir()
     server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "simple",
-                           env={"TMPDIR": str(server_tmp)})
+                           "--allow-model-upload", env={"TMPDIR": str(server_tmp)})  # the scenario uploads a model
     try:
         found = run_calls(server, "model_control", env={"INLINE_MODEL": str(inline)})["model_control"]
         assert not list(server_tmp.glob("ferry-inline-*/inline"))  # the inline folder went with the unload
@@ -130,7 +130,7 @@ def test_system_shared_memory_register_infer_status_unregister(tmp_path):
     skip = tuple(t for t in builders.ONNX_TYPES if t != "BYTES")
     builders.identity_all_types(tmp_path / "strings" / "1" / "model.onnx", skip=skip)
     tag = f"ferry_shm_{os.getpid()}"
-    server = RunningServer(tmp_path)
+    server = RunningServer(tmp_path, "--allow-shared-memory")  # registering regions: off by default
     try:
         found = run_calls(server, "shared_memory", env={"SHM_TAG": tag})["shared_memory"]
         held = mapped(server.proc.pid, tag)

@@ -25,7 +25,7 @@ def result(tmp_path_factory) -> dict:
     repo = tmp_path_factory.mktemp("repo")
     builders.script_models(repo)
     link_shipped_models(repo, "tiny_llama")
-    server = RunningServer(repo)
+    server = RunningServer(repo, "--allow-log-settings")  # update_log_settings: off by default
     try:
         script = Path(__file__).with_name("tritonclient_calls.py")
         done = subprocess.run([sys.executable, str(script), server.address], capture_output=True, text=True, timeout=120)

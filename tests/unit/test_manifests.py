@@ -22,9 +22,9 @@ def test_every_manifest_is_valid(folder):
 def test_the_folders_hold_what_a_cluster_needs():
     kinds = {doc["kind"] for _, doc in validate.build(ROOT / "deploy/kubernetes")}
     assert kinds == {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor",
-                     "ConfigMap", "PersistentVolumeClaim"}
+                     "ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"}
     kserve = {doc["kind"] for _, doc in validate.build(ROOT / "deploy/kserve")}
-    assert kserve == {"ClusterServingRuntime", "InferenceService"}
+    assert kserve == {"ClusterServingRuntime", "InferenceService", "NetworkPolicy"}
     gpu = next(d for _, d in validate.build(ROOT / "deploy/kubernetes/gpu") if d["kind"] == "Deployment")
     assert gpu["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
