@@ -159,3 +159,18 @@ def test_a_hub_name_is_refused_with_how_to_download_it(env):
     assert "'facebook/opt-125m'" in reason and "not a local folder" in reason
     assert "huggingface-cli download facebook/opt-125m" in reason
     assert "/tmp" not in reason and str(Path.home()) not in reason  # no server paths in what clients read
+
+
+def test_triton_readme_generate_call_answers_as_backend_llm(env):
+    """The vLLM backend README's `curl -X POST .../v2/models/vllm_model/generate` request, over HTTP."""
+    import urllib.request
+
+    def generate(model: str) -> dict:
+        body = {"text_input": PROMPTS[0], "parameters": {"stream": False, "temperature": 0, "max_tokens": 12}}
+        request = urllib.request.Request(f"{env.http_url}/v2/models/{model}/generate", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(request, timeout=60).read())
+
+    vllm, llm = generate("vllm_model"), generate("llm_model")
+    assert vllm["model_name"] == "vllm_model" and vllm["text_output"].startswith(PROMPTS[0])
+    assert vllm["text_output"] == llm["text_output"] and len(vllm["text_output"]) > len(PROMPTS[0])
