@@ -51,7 +51,7 @@ def test_unapplied_arguments_are_named_and_ferrys_own_behaviour_passes_silently(
 
 @pytest.mark.parametrize("key, value", [
     ("gpu_memory_utilization", 0), ("gpu_memory_utilization", "0.5"), ("max_model_len", 1.5), ("max_num_seqs", True),
-    ("block_size", 4096), ("enable_prefix_caching", "yes"), ("dtype", "fp8"), ("speculative_config", "ngram"),
+    ("block_size", 4096), ("max_model_len", 2**40), ("enable_prefix_caching", "yes"), ("dtype", "fp8"), ("dtype", ["auto"]), ("speculative_config", "ngram"),
     ("speculative_config", {"method": "ngram"}),
 ])
 def test_a_bad_value_fails_naming_the_argument_and_the_value(folder, key, value):

@@ -22,6 +22,7 @@ _DTYPES = {"auto": "auto", "half": "float16", "float16": "float16", "bfloat16": 
            "float": "float32", "float32": "float32"}  # vLLM's spellings -> Ferry's
 _HUB_NAME = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # `org/name` or `name`, as vLLM passes to the Hub
 _MAX_BLOCK_SIZE = 1024  # as the engine's own limit (backends/llm/engine.py)
+_MAX_UINT32 = 2**32 - 1  # the generation fields' protobuf type
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +41,10 @@ class _Reader:
     def fail(self, key: str, why: str) -> ConfigError:
         return ConfigError(f"{self.source}: engine argument '{key}' {why}, got {self.values[key]!r}")
 
-    def integer(self, key: str, low: int = 1, high: int | None = None) -> int:
+    def integer(self, key: str, low: int = 1, high: int = _MAX_UINT32) -> int:
         value = self.values[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-            raise self.fail(key, f"must be an integer {'within ' + str(low) + '..' + str(high) if high else '>= ' + str(low)}")
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise self.fail(key, f"must be an integer within {low}..{high}")
         return value
 
     def fraction(self, key: str) -> float:
@@ -63,7 +64,7 @@ class _Reader:
 
     def dtype(self, key: str) -> str:
         value = self.values[key]
-        if value not in _DTYPES:
+        if not isinstance(value, str) or value not in _DTYPES:
             raise self.fail(key, f"must be one of {', '.join(_DTYPES)}")
         return _DTYPES[value]
 
@@ -103,7 +104,7 @@ _MAPPED: dict[str, Callable[[_Reader, mc.ModelGeneration, str], bool]] = {
     "enable_prefix_caching": _setter("enable_prefix_caching", _Reader.flag),
     "dtype": _setter("dtype", _Reader.dtype),
     "num_gpu_blocks_override": _setter("num_kv_blocks", _Reader.integer),
-    "kv_cache_memory_bytes": _setter("kv_cache_memory_mb", lambda r, k: math.ceil(r.integer(k) / 2**20)),
+    "kv_cache_memory_bytes": _setter("kv_cache_memory_mb", lambda r, k: -(-r.integer(k, high=2**63) // 2**20)),
     "speculative_config": lambda r, g, k: _speculative(r, g),
 }
 # Arguments whose value (when it is this one) is what Ferry does anyway: no warning for them.
