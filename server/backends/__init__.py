@@ -13,7 +13,10 @@ _BACKENDS = {
     "pytorch": "server.backends.pytorch:TorchBackend",
     "python": "server.backends.python_model:PythonBackend",
     "llm": "server.backends.llm.engine:LLMBackend",
+    "vllm": "server.backends.llm.vllm_folder:VllmFolderBackend",  # Triton's vLLM folders: <version>/model.json
 }
+# Backends whose models generate text step by step (served by the generation runner).
+GENERATION = frozenset({"llm", "vllm"})
 # Triton platform names -> backend names, so Triton configs work unchanged.
 _PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch", "pytorch_export": "pytorch"}
 # Which backend a bare model file implies when the config names none.

@@ -170,7 +170,10 @@ def _devices(config: mc.ModelConfig, backend_cls) -> list[Device]:
         if group.kind == kind.Value("KIND_GPU") and cuda_count == 0:
             raise ConfigError(f"instance_group asks for KIND_GPU but no CUDA device works for the {backend_cls.name} backend")
         if cuda_count == 0:
-            devices += [Device("cpu")] * group.count  # KIND_AUTO without CUDA
+            devices += [Device("cpu")] * group.count  # KIND_AUTO or KIND_MODEL without CUDA
+            continue
+        if group.kind == kind.Value("KIND_MODEL"):  # the model places itself (Triton's vLLM folders): not one per GPU
+            devices += [Device("cuda", 0)] * group.count
             continue
         gpus = list(group.gpus) or list(range(cuda_count))
         for gpu in gpus:

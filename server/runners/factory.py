@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from protos import model_config_pb2 as mc
+from server.backends import GENERATION
 from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
 from server.generation_metrics import GenerationFamilies, GenerationStats
@@ -66,7 +67,7 @@ class RunnerFactory:
         if entry.config.platform == "ensemble":
             return EnsembleRunner(name, entry.version, entry.config, step_order(entry.config, name), self.models, stats,
                                   cache)
-        if entry.config.backend == "llm":
+        if entry.config.backend in GENERATION:
             gen_stats = GenerationStats(self.generation_families, name, entry.version)
             return generation_runner(name, entry, stats, gen_stats, budget)
         if entry.config.model_transaction_policy.decoupled:
@@ -83,7 +84,7 @@ class RunnerFactory:
         kind whose answers are not one response per request or depend on state (Triton refuses those too)."""
         if not config.response_cache.enable:
             return None
-        kind = ("a generation model" if config.backend == "llm"
+        kind = ("a generation model" if config.backend in GENERATION
                 else "a decoupled model" if config.model_transaction_policy.decoupled
                 else "a sequence (stateful) model" if config.HasField("sequence_batching") else None)
         if kind is not None:

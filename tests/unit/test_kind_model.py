@@ -1,0 +1,31 @@
+"""KIND_MODEL (Triton's "the model places itself", as its vLLM folders write): `count` instances, not one per GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import model_config_pb2 as mc
+from server.backends.base import Device
+from server.repository.loader import _devices
+
+
+def on_machine(gpus: int):
+    class Machine:  # only the loader's question to a backend class: how many CUDA devices it can use
+        @classmethod
+        def cuda_devices(cls) -> int:
+            return gpus
+        name = "llm"
+    return Machine
+
+
+@pytest.mark.parametrize("gpus, expected", [(0, [Device("cpu")]), (2, [Device("cuda", 0)])])
+def test_kind_model_places_count_instances_once_whatever_the_gpus(gpus, expected):
+    config = mc.ModelConfig()
+    config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_MODEL)
+    assert _devices(config, on_machine(gpus)) == expected
+
+
+def test_kind_auto_still_places_count_on_every_gpu():
+    config = mc.ModelConfig()
+    config.instance_group.add(count=1, kind=mc.ModelInstanceGroup.KIND_AUTO)
+    assert _devices(config, on_machine(2)) == [Device("cuda", 0), Device("cuda", 1)]
