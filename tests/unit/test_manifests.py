@@ -45,7 +45,11 @@ BREAKAGES = [  # (file, text in it, replacement, what the error names)
 @pytest.mark.parametrize("file,old,new,named", BREAKAGES, ids=[f"{b[0]}:{b[3]}" for b in BREAKAGES])
 def test_a_broken_copy_is_refused(tmp_path, file, old, new, named):
     copy = tmp_path / "deploy"
-    shutil.copytree(ROOT / "deploy", copy, ignore=shutil.ignore_patterns("schemas"))
+    if file.startswith("kserve/") or "servicemonitor" in file:
+        if not validate.schemas_present():
+            pytest.skip(reason=f"custom-resource schemas are not on this machine ({validate.SCHEMAS}); they live "
+                               "beside the checkout in ../shared/data/k8s-schemas, not in the project")
+    shutil.copytree(ROOT / "deploy", copy)
     target = copy / file
     text = target.read_text()
     assert old in text, f"{file} no longer contains {old!r}: update this breakage"

@@ -1,8 +1,9 @@
-"""Turn an upstream CustomResourceDefinition into the JSON Schema tests/unit/test_manifests.py checks against.
+"""Turn an upstream CustomResourceDefinition into the JSON Schema deploy/validate.py checks custom resources against.
 
 Kept so the schema files can be refreshed from a newer release and the diff read: descriptions are
 dropped (they are most of the bytes and no validation reads them), nothing else is changed.
-Usage: python deploy/schemas/extract.py CRD.yaml VERSION > deploy/schemas/<kind>.json
+Usage: python deploy/extract_crd_schema.py CRD.yaml VERSION > ../shared/data/k8s-schemas/<kind>.json
+(the schemas are other projects' data: they live beside the checkout, never in it)
 """
 
 from __future__ import annotations
