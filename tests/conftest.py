@@ -37,6 +37,25 @@ def wait_for(predicate, timeout_s: float = 60, what: str = "") -> None:
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what or predicate}")
 
 
+FP32_REL, FP32_ABS = 1e-4, 1e-5
+
+
+def approx_fp32(expected):
+    """`pytest.approx` for float32 results of two computations that need not round alike, on any CPU.
+
+    Another batch shape (a request alone or beside others, streamed or not, drafts verified together or
+    one token a step), another thread count, instruction set (AVX2, AVX-512, NEON) or library (numpy,
+    ONNX Runtime, torch) sums in another order, so two correct answers differ in their last bits: 1.7e-6
+    on a logprob near -1 failed an abs=1e-6 check on another CPU (issue 25), and the test llama's
+    logprobs differ by up to 3e-5 between a prefill and step-by-step decoding. rel 1e-4 with a 1e-5
+    floor holds those with a margin, and still fails a real fault, which moves values by 1e-2 or more
+    (another row's answer, another position's logprob, a penalty left out). Scalars, lists, arrays.
+
+    Not for ids, counts or integer-valued floats (compared exactly), nor for one computation repeated in
+    the same shape on the same machine, where exact equality is the point and a comment says so."""
+    return pytest.approx(expected, rel=FP32_REL, abs=FP32_ABS)
+
+
 async def wait_for_async(predicate, timeout_s: float = 60, what: str = "", poll_s: float = 0.005) -> None:
     """`wait_for` inside a running event loop: the poll yields to the loop, so the work it waits on runs.
     `poll_s`: the pause between checks (a loop that must look idle while it waits wants few wake-ups)."""

@@ -27,6 +27,7 @@ def ensembles(client) -> dict:
     x = np.arange(8, dtype=np.float32).reshape(2, 4)
     chained = client.infer("chain", [tensor("IN", x, "FP32")]).as_numpy("OUT")
     bad = np.array([[1, -5, 1, 1]], np.float32)  # still negative after the first step (+1)
+    # exact: the ensemble must pass the same tensors through the same element-wise steps
     return {"pipeline_equals_steps": bool(np.array_equal(whole, post)), "pipeline_shape": list(whole.shape),
             "chain": chained.tolist(), "chain_expected": ((x + 1) * 3 - 2).tolist(),
             "failing_step": error(lambda: client.infer("chain", [tensor("IN", bad, "FP32")])),

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from clients import AsyncInferenceClient, FerryClientError
-from tests.conftest import serve_client_test_models
+from tests.conftest import approx_fp32, serve_client_test_models
 
 
 
@@ -62,7 +62,7 @@ def test_infer_raw_tensors_statistics_and_concurrent_calls(server):
         answers = await asyncio.gather(*(client.infer("classifier", {"features": r}) for r in rows))
         one_batch = await client.infer("classifier", {"features": np.concatenate(rows)}, outputs=["probabilities"])
         for i, answer in enumerate(answers):  # each caller gets its own row back, whatever was batched
-            np.testing.assert_allclose(answer["probabilities"][0], one_batch["probabilities"][i], rtol=1e-5, atol=1e-7)
+            assert answer["probabilities"][0] == approx_fp32(one_batch["probabilities"][i])
         after = sum(s.inference_count for s in await client.model_statistics("classifier"))
         assert after - before == 32
         inputs = {f"IN_{t}": np.zeros((1, 2), d) for t, d in NUMERIC.items()}

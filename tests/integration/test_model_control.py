@@ -69,6 +69,7 @@ def test_a_failed_reload_keeps_the_old_version_serving(repo):
             kserve.stub(server.channel).RepositoryModelLoad(pb.RepositoryModelLoadRequest(model_name="mlp"))
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "mlp/config.yaml: line 2: unknown field" in info.value.details()
         assert index(server)["mlp"][1] == "READY"
+        # exact: the same model file, request and batch shape on the same machine answer bit for bit
         np.testing.assert_array_equal(kserve.infer(server.channel, "mlp", {"X": X})["Y"], before)
     finally:
         server.stop()

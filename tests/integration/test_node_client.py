@@ -57,6 +57,7 @@ def test_node_model_infer_matches_the_python_client(server, model):
     for name, array in expected.items():
         got = result["outputs"][name]
         assert got["datatype"] == "FP32" and got["shape"] == list(array.shape)
+        # exact: the same request to the same model on this server, only the client differs
         np.testing.assert_array_equal(np.array(got["data"], np.float32).reshape(array.shape), array)
     if model == "simple":
         np.testing.assert_array_equal(expected["OUTPUT0"], 3 * np.arange(16, dtype=np.float32).reshape(1, 16))
