@@ -53,7 +53,8 @@ def servers(tmp_path_factory):
     started = []
     try:
         for extra in ((), FRONTENDS, (*FRONTENDS, "--frontend-arena-bytes", "4096")):
-            started.append(RunningServer(repo, *extra, "--allow-shared-memory"))  # regions: off by default
+            # tritonclient_calls registers regions and changes log settings: both off by default
+            started.append(RunningServer(repo, *extra, "--allow-shared-memory", "--allow-log-settings"))
         for server in started:
             server.gate = gate
         yield started

@@ -32,7 +32,8 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     builders.gated_model(repo, "gated", "dynamic_batching: {}\n")
     builders.gated_model(repo, "warns", "response_cache: {enable: true}\n")  # its every load logs the FENCE warning
-    running = RunningServer(repo, "--allow-log-settings")  # changes the settings: off by default
+    # changes the settings (off by default); the fence reloads a model (explicit model control)
+    running = RunningServer(repo, "--allow-log-settings", "--model-control-mode", "explicit", "--load-model", "*")
     yield running
     running.stop()
 
