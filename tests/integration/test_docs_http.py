@@ -1,4 +1,4 @@
-"""Every curl example in the README's HTTP section, run against a real server with the shipped models."""
+"""Every curl example on the HTTP docs page (docs/http.md), run against a real server with the shipped models."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tests.conftest import ROOT, RunningServer, link_shipped_models
 
 
 def examples() -> list[str]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "http.md").read_text()
     block = re.search(r"<!-- http-examples -->\n```sh\n(.*?)```", text, re.S).group(1)
     return re.split(r"\n(?=curl )", block.strip())  # one command each, continuation lines kept
 
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.parametrize("index", range(len(examples())))
-def test_readme_curl_example_runs(server, index):
+def test_docs_curl_example_runs(server, index):
     command = examples()[index].replace("localhost:8000", server.http_address)
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr  # curl -f: any 4xx/5xx fails here
