@@ -81,7 +81,7 @@ def grpc_operation(method: str) -> Operation:
     return next((op for prefix, op in _GRPC_BY_SERVICE.items() if method.startswith(prefix)), _GRPC_DEFAULT)
 
 
-def http_operation(method: str, path: str) -> Operation:
+def http_operation(path: str) -> Operation:
     if path in _HTTP_PROBES:
         return Operation(HEALTH, probe=True)
     if path.startswith("/v1/"):

@@ -23,7 +23,7 @@ from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsC
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
 from server.response_cache import ResponseCache
-from server.access import AccessPolicy, Restriction, restriction_table, GRPC_HEADER_PREFIX
+from server.access import GRPC_HEADER_PREFIX, AccessPolicy, Restriction, restriction_table
 from server.model_control import ModelControl
 from server.rpc.auth import AccessCheck
 from server.tokens import Tokens

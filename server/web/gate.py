@@ -44,7 +44,7 @@ class Gate:
 
     def _refusal(self, scope) -> tuple[int, str] | None:
         path = scope["path"]
-        operation = http_operation(scope.get("method", "GET"), path)
+        operation = http_operation(path)
         if self.access.enabled:
             headers = scope["headers"]
             denial = self.access.check(operation, lambda key: next((v for k, v in headers if k == key.encode()), None))
