@@ -20,11 +20,13 @@ from server.drain import Drain
 from server.log_settings import LogControl
 from server.metrics import FrontDoorRequests
 from server.repository.registry import Registry
+from server.shared_memory import SharedMemoryRegistry
 from server.tokens import Tokens
 from server.web.gate import Gate
 from server.web.generate import GenerateRoutes
 from server.web.kserve import KServeRoutes
 from server.web.openai_api import OpenAIRoutes
+from server.web.shared_memory import SharedMemoryRoutes
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,11 @@ class WebOptions:
 
 
 def build_app(registry: Registry, health, drain: Drain, tokens: Tokens, counter, options: WebOptions,
-              logs: LogControl):
-    routes = (KServeRoutes(registry, health, options.body_limit, logs).routes()
+              logs: LogControl, server_name: str = "ferry", regions: SharedMemoryRegistry | None = None):
+    """`regions`: the system shared memory regions, the same registry the gRPC door serves (one set per server)."""
+    regions = regions if regions is not None else SharedMemoryRegistry()
+    routes = (KServeRoutes(registry, health, options.body_limit, logs, server_name, regions).routes()
+              + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit).routes()
               + OpenAIRoutes(registry, options.body_limit).routes())
     return Gate(Starlette(routes=routes), drain, tokens, counter)
@@ -46,8 +51,9 @@ def build_app(registry: Registry, health, drain: Drain, tokens: Tokens, counter,
 
 class WebServer:
     def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, tokens: Tokens,
-                 requests: FrontDoorRequests, logs: LogControl):
-        app = build_app(registry, health, drain, tokens, requests.http, options, logs)
+                 requests: FrontDoorRequests, logs: LogControl, server_name: str = "ferry",
+                 regions: SharedMemoryRegistry | None = None):
+        app = build_app(registry, health, drain, tokens, requests.http, options, logs, server_name, regions)
         self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                      http="httptools", timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)
