@@ -38,7 +38,7 @@ def server(tmp_path_factory):
 
 
 def run_client(server, streaming: bool, exclude: bool, sampling=CLIENT_SAMPLING, prompts=PROMPTS):
-    script = Path(__file__).with_name("vllm_client_calls.py")
+    script = Path(__file__).with_name("vllm_sample_client_calls.py")
     done = subprocess.run([sys.executable, str(script), server.address, str(int(streaming)), str(int(exclude)),
                            json.dumps(sampling), json.dumps(prompts)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

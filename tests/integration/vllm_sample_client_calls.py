@@ -1,7 +1,7 @@
 """Triton's vLLM sample client (vllm_backend samples/client.py), its requests as it builds them, run in a
 subprocess (tritonclient's protobufs cannot share a process with Ferry's). Prints JSON: texts by id, errors.
 
-usage: vllm_client_calls.py ADDRESS STREAMING EXCLUDE SAMPLING_JSON PROMPTS_JSON
+usage: vllm_sample_client_calls.py ADDRESS STREAMING EXCLUDE SAMPLING_JSON PROMPTS_JSON
 """
 
 from __future__ import annotations
