@@ -129,7 +129,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     print(f"ferry: serving gRPC on {rpc.host}:{group.port if group else rpc.port}", flush=True)
     web = None
     if config.web is not None:
-        web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control)
+        web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control,
+                        config.server_name, regions)
         await web.start()
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
     http = None

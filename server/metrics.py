@@ -9,6 +9,7 @@ sizes of the batches actually formed.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import Counter
@@ -19,6 +20,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+from server.errors import BackendError, DeadlineExceededError, QueueFullError
 
 _LATENCY_BUCKETS_US = (100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 1_000_000, 5_000_000)
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -218,6 +221,17 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
      lambda s: s["padded_elements"] / s["computed_elements"] if s["computed_elements"] else 0.0),
 ]
 FAILURE_REASONS = ("REJECTED", "BACKEND", "CANCELED", "OTHER")
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Triton's reason for a request that ended with `exc`: the caller left (its call was cancelled or its
+    stream closed), it was refused or ran out of time before it ran, the model failed, or anything else."""
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return "CANCELED"
+    if isinstance(exc, (QueueFullError, DeadlineExceededError)):
+        return "REJECTED"
+    return "BACKEND" if isinstance(exc, BackendError) else "OTHER"
+
 # A snapshot's durations that InferStatistics reports, under its field names (the RPC and HTTP share it)
 INFER_DURATIONS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
 # Triton's per-model response cache families, shown for models that use the cache

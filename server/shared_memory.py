@@ -71,6 +71,16 @@ def placement(tensor: str, params: dict) -> Placement | None:
     return Placement(tensor, region, values[OFFSET], values[BYTE_SIZE])
 
 
+def write_output(target: tuple[Region, Placement], array: np.ndarray) -> dict[str, str | int]:
+    """Write one output into the region a request named for it; the tensor's parameters to answer with
+    (Triton's: the region, the bytes written, and the offset when it is not 0), for either door to encode."""
+    region, where = target
+    params: dict[str, str | int] = {REGION: where.region, BYTE_SIZE: region.write(where, array)}
+    if where.offset:
+        params[OFFSET] = where.offset
+    return params
+
+
 class Region:
     """One registered region: [offset, offset + byte_size) of the object `key`, mapped read-write."""
 

@@ -122,11 +122,11 @@ def encode_response(
         array = outputs[name]
         tensor = response.outputs.add(name=name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)
         if shared and name in shared:
-            region, where = shared[name]
-            tensor.parameters[shared_memory.REGION].string_param = where.region
-            tensor.parameters[shared_memory.BYTE_SIZE].int64_param = region.write(where, array)
-            if where.offset:
-                tensor.parameters[shared_memory.OFFSET].int64_param = where.offset
+            for key, value in shared_memory.write_output(shared[name], array).items():
+                if isinstance(value, str):
+                    tensor.parameters[key].string_param = value
+                else:
+                    tensor.parameters[key].int64_param = value
             response.raw_output_contents.append(b"")
         else:
             response.raw_output_contents.append(to_raw(array))

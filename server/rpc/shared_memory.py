@@ -1,30 +1,17 @@
 """The SystemSharedMemory* and CudaSharedMemory* RPCs: protobuf <-> server/shared_memory.py.
 
 A mixin of InferenceServicer (which sets `self.shared_memory`); the registry does every check and
-says every error, these handlers only translate. CUDA shared memory (CUDA IPC handles) is not
-implemented: its RPCs say so and point at system shared memory, never grpc's placeholder text.
+says every error, these handlers only translate. CUDA shared memory (server/cuda_shared_memory.py)
+holds no regions: status and unregister answer as for an empty set, register says what to use instead.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from protos import grpc_service_pb2 as pb
-from server.errors import UnsupportedError
+from server import cuda_shared_memory as cuda
 from server.rpc import codec
 from server.rpc.errors import translate_errors
 from server.shared_memory import BYTE_SIZE, OFFSET, REGION, Placement, SharedMemoryRegistry, placement
-
-CUDA_REFUSED = ("{rpc}: CUDA shared memory is not implemented by Ferry ({device}); use system shared memory "
-                "(SystemSharedMemoryRegister) or send the tensors in the request")
-
-
-def _cuda_refused(rpc: str) -> UnsupportedError:
-    gpus = Path("/proc/driver/nvidia/gpus")
-    device = ("this server has a CUDA device but does not open CUDA IPC handles" if gpus.is_dir() and any(gpus.iterdir())
-              else "no CUDA device is present on this server")
-    return UnsupportedError(CUDA_REFUSED.format(rpc=rpc, device=device))
-
 
 class SharedMemoryRpcs:
     shared_memory: SharedMemoryRegistry
@@ -48,15 +35,17 @@ class SharedMemoryRpcs:
 
     @translate_errors
     async def CudaSharedMemoryRegister(self, request, context):
-        raise _cuda_refused("CudaSharedMemoryRegister")
+        cuda.register("CudaSharedMemoryRegister", "SystemSharedMemoryRegister")
 
     @translate_errors
     async def CudaSharedMemoryStatus(self, request, context):
-        raise _cuda_refused("CudaSharedMemoryStatus")
+        cuda.status(request.name)
+        return pb.CudaSharedMemoryStatusResponse()
 
     @translate_errors
     async def CudaSharedMemoryUnregister(self, request, context):
-        raise _cuda_refused("CudaSharedMemoryUnregister")
+        cuda.unregister(request.name)
+        return pb.CudaSharedMemoryUnregisterResponse()
 
 
 def _placement(tensor) -> Placement | None:

@@ -2,7 +2,8 @@
 
 In: `text_input` (BYTES prompt), optional `stream` (BOOL), `sampling_parameters` (JSON string),
 `exclude_input_in_output` (BOOL), `max_tokens` (INT32, wins over the JSON); without the JSON, the
-request's own parameters named like sampling parameters are used. Out: `text_output` per response,
+request's own parameters named like sampling parameters are used; either way a value given as a
+string ("0.1", "100", "true") is read as its field's type, as that backend does. Out: `text_output` per response,
 with `finish_reason` on the last. A request whose sampling parameters ask for `logprobs` also gets a
 BYTES output `logprobs`: a JSON list with one object per token of that response, {token id: {"logprob",
 "rank", "decoded_token"}} for the sampled token and the top alternatives, the shape Triton's vLLM
@@ -23,6 +24,7 @@ from server.errors import InvalidInputError
 from server.rpc import codec
 from server.runners.generation import GenerationInput
 from server.runners.sampling import KEYS as SAMPLING_KEYS
+from server.runners.sampling import from_strings
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,7 @@ def _sampling(inputs: dict[str, np.ndarray], params: dict) -> dict[str, Any]:
             raise InvalidInputError(f"sampling_parameters is not valid JSON: {exc}") from None
         if not isinstance(given, dict):
             raise InvalidInputError(f"sampling_parameters must be a JSON object, got {type(given).__name__}")
+    given = from_strings(given)  # Triton's vLLM backend reads "0.1" as 0.1 (its own client sends strings)
     if "max_tokens" in inputs:
         given["max_tokens"] = int(_scalar(inputs, "max_tokens", 0))
     return given

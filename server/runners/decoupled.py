@@ -20,7 +20,7 @@ import numpy as np
 
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError, ModelUnavailableError
-from server.metrics import ModelStats
+from server.metrics import ModelStats, failure_reason
 from server.request import InferRequest
 from server.runners.base import DECOUPLED, RunnerBase
 from server.scheduling.budget import ByteBudget
@@ -48,22 +48,20 @@ class DecoupledRunner(RunnerBase):
         self._admit_check()
         self._take_bytes(request.nbytes, request.arrival_ns)
         self._streams += 1
-        ok = False
+        failure = ""
         try:
             instance = await self._idle.get()
             self.stats.record_queued(time.monotonic_ns() - request.arrival_ns)
             async for outputs in self._run(instance, request):
                 yield outputs
-            ok = True
-        except FerryError:
-            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="BACKEND")
+        except BaseException as exc:  # a caller that leaves closes the stream: GeneratorExit or CancelledError
+            failure = "BACKEND" if isinstance(exc, FerryError) else failure_reason(exc)  # the model's own errors
             raise
         finally:
             self._give_bytes(request.nbytes)
             self._streams -= 1
             self._wake.set()
-            if ok:
-                self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=not failure, reason=failure)
 
     async def _run(self, instance: int, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         loop = asyncio.get_running_loop()

@@ -127,9 +127,21 @@ class GenerationRunner(RunnerBase):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {value!r}")
         prompt = self.backend.encode_prompt(text if given.token_ids is None else None, given.token_ids)
+        if given.sampling.get("max_tokens"):  # only an explicit max_tokens: the default is cut to fit
+            self._check_length(len(prompt), sampling.max_tokens)
         own = given.arrival_ns + given.timeout_us * 1000 if given.timeout_us else None
         deadline = min((d for d in (own, given.rpc_deadline_ns) if d is not None), default=None)
         return GenerationRequest(prompt, text or "", sampling, given.priority, deadline, given.arrival_ns)
+
+    def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
+        """vLLM's refusal, in its words (clients parse the numbers to trim their prompts): a prompt plus an
+        explicit max_tokens past max_model_len is an error, never an answer silently cut short."""
+        limit = self.scheduler.settings.max_model_len
+        if prompt_tokens <= limit < prompt_tokens + max_tokens:  # a prompt alone too long: the scheduler's refusal
+            raise InvalidInputError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the completion). "
+                "Please reduce the length of the messages or completion.")
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
         """Stream events for one request; leaving the iteration early (client gone) cancels it."""

@@ -21,6 +21,32 @@ MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs
 # anything this cold picks the top token anyway (a gap of 1e-3 in logits is e^100 apart).
 GREEDY_BELOW = 1e-5
 _INT_LIMIT = 2**63  # the sampler builds int64 tensors from top_k
+# Each scalar field's type, for values Triton's vLLM convention sends as JSON strings ("0.1", "5", "true").
+_FLOATS = frozenset({"temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"})
+_INTEGERS = frozenset({"max_tokens", "top_k", "seed", "min_tokens", "logprobs"})
+_FLAGS = frozenset({"ignore_eos"})
+
+
+def from_strings(given: Mapping[str, Any]) -> dict[str, Any]:
+    """Triton's vLLM backend convention: every value may come as a string, converted to its field's type.
+
+    Triton's own `sampling_parameters` example sends `{"temperature": "0.1", "max_tokens": "100"}`.
+    A string that does not read as its field's type is left as it is, so `sampling_params` refuses it
+    with the field's rule (and a NaN or "inf" read as a float is refused there as not finite)."""
+    return {key: _typed(key, value) if isinstance(value, str) else value for key, value in given.items()}
+
+
+def _typed(key: str, text: str) -> Any:
+    try:
+        if key in _FLOATS:
+            return float(text)
+        if key in _INTEGERS:
+            return int(text.strip(), 10)
+    except ValueError:
+        return text
+    if key in _FLAGS and text.strip().lower() in ("true", "false"):
+        return text.strip().lower() == "true"
+    return text
 
 
 def sampling_params(given: Mapping[str, Any], default_max_tokens: int) -> SamplingParams:

@@ -25,6 +25,7 @@ import numpy as np
 
 from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import DeadlineExceededError, InvalidInputError, ModelUnavailableError, QueueFullError
+from server.metrics import failure_reason
 from server.request import InferRequest
 from server.runners.base import INFER, RunnerBase
 from server.runners.batch import ModelRunner
@@ -56,9 +57,14 @@ class SequenceRunner(RunnerBase):
         mine = self._tails[flags.cid] = asyncio.get_running_loop().create_future()
         self._busy[flags.cid] = self._busy.get(flags.cid, 0) + 1
         try:
-            if previous is not None:
-                await asyncio.shield(previous)  # the sequence's earlier request answers first
-            return await self._run(request, flags)
+            try:  # what happens here, before the inner runner has the request, is counted here
+                if previous is not None:
+                    await asyncio.shield(previous)  # the sequence's earlier request answers first
+                live = await self._live(request, flags)
+            except BaseException as exc:
+                self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason=failure_reason(exc))
+                raise
+            return await self._run(request, flags, live)
         finally:
             mine.set_result(None)
             if self._tails.get(flags.cid) is mine:
@@ -68,7 +74,8 @@ class SequenceRunner(RunnerBase):
                 del self._busy[flags.cid]
             self._wake.set()
 
-    async def _run(self, request: InferRequest, flags: SequenceFlags) -> dict[str, np.ndarray]:
+    async def _live(self, request: InferRequest, flags: SequenceFlags):
+        """The sequence's live slot for this request (waiting for one to free if it starts), or a refusal."""
         now = time.monotonic_ns()
         if flags.start:
             restart = self.slots.touch(flags.cid, now) is not None  # a live sequence restarting needs no new slot
@@ -83,6 +90,10 @@ class SequenceRunner(RunnerBase):
                                     "never started, ended, or released after being idle)")
         if request.batch_size != 1:
             raise InvalidInputError(f"model '{self.name}' serves sequences: each request carries one row, got {request.batch_size}")
+        return live
+
+    async def _run(self, request: InferRequest, flags: SequenceFlags, live) -> dict[str, np.ndarray]:
+        """The inner runner runs the step (and counts its outcome); the sequence's state carries on."""
         request.inputs = {**request.inputs, **self.extra.tensors(flags.cid, flags.start, flags.end, live.state)}
         try:
             outputs = await self.inner.infer(request)

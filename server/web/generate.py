@@ -22,6 +22,7 @@ from server.repository.registry import Registry
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
 from server.runners.sampling import KEYS as SAMPLING_KEYS
+from server.runners.sampling import from_strings
 from server.web import streaming
 from server.web.body import read_body
 from server.web.errors import message_of
@@ -75,7 +76,7 @@ class GenerateRoutes:
         sampling = {k: v for k, v in {**body, **params}.items() if k in SAMPLING_KEYS}
         if "sampling_parameters" in body:
             sampling.update(_json_object(body["sampling_parameters"]))
-        decoded = mv.runner.decode(GenerationInput(arrival, text=body["text_input"], sampling=sampling,
+        decoded = mv.runner.decode(GenerationInput(arrival, text=body["text_input"], sampling=from_strings(sampling),
                                                    priority=params.get("priority", 0), timeout_us=params.get("timeout", 0)))
         return mv, body, await streaming.start(mv.runner, decoded)
 

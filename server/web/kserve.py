@@ -12,7 +12,6 @@ import functools
 import json
 import time
 
-from google.protobuf.json_format import MessageToDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -26,12 +25,14 @@ from server.metrics import INFER_DURATIONS
 from server.names import parse_version, shown
 from server.repository.registry import READY, ModelVersion, Registry
 from server.runners.base import INFER
+from server.shared_memory import SharedMemoryRegistry
 from server.web import tensors
 from server.web.body import read_body
+from server.web.config_json import config_json
 from server.web.errors import kserve_error, message_of, status_of
 
-EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "binary_tensor_data",
-              "generate", "logging"]
+EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory",
+              "binary_tensor_data", "generate", "logging"]
 
 
 def kserve_errors(handler):
@@ -52,9 +53,11 @@ def model_paths(suffix: str) -> list[str]:
 
 
 class KServeRoutes:
-    def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl, control: ModelControl):
+    def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl, control: ModelControl,
+                 server_name: str = "ferry", regions: SharedMemoryRegistry | None = None):
         self.registry, self.health, self.body_limit, self.control = registry, health, body_limit, control
-        self.logs = logs
+        self.logs, self.server_name = logs, server_name  # the name ServerMetadata gives on gRPC too (--server-name)
+        self.regions = regions if regions is not None else SharedMemoryRegistry()  # shared with gRPC's
 
     def routes(self) -> list[Route]:
         table = [("/v2/health/live", self.live, "GET"), ("/v2/health/ready", self.ready, "GET"),
@@ -76,7 +79,7 @@ class KServeRoutes:
         return Response(status_code=200 if self.health.ready else 400)
 
     async def server_metadata(self, request: Request) -> Response:
-        return JSONResponse({"name": "ferry", "version": __version__, "extensions": EXTENSIONS})
+        return JSONResponse({"name": self.server_name, "version": __version__, "extensions": EXTENSIONS})
 
     @kserve_errors
     async def model_ready(self, request: Request) -> Response:
@@ -105,7 +108,7 @@ class KServeRoutes:
     @kserve_errors
     async def model_config(self, request: Request) -> Response:
         config = self.registry.get(*_model(request)).config
-        return JSONResponse(MessageToDict(config, preserving_proto_field_name=True))
+        return JSONResponse(config_json(config))
 
     @kserve_errors
     async def statistics(self, request: Request) -> Response:
@@ -151,11 +154,12 @@ class KServeRoutes:
         mv = serving(self.registry, *_model(request), INFER)
         body = await read_body(request, self.body_limit)
         header, binary = tensors.split_body(body, request.headers.get("inference-header-content-length"))
-        decoded = tensors.decode_infer(header, binary)
+        decoded = tensors.decode_infer(header, binary, self.regions)
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
+        targets = self.regions.targets(decoded.placements)  # regions checked before any work
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
-        data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names)
+        data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names, targets)
         if header_length is None:
             return Response(data, media_type="application/json")
         return Response(data, media_type="application/octet-stream",

@@ -5,11 +5,14 @@ it); answers and streamed chunks follow OpenAI's objects, so the `openai` SDK an
 work unchanged. vLLM's extra sampling fields (`top_k`, `ignore_eos`, `stop_token_ids`) are accepted
 too, and so are `repetition_penalty` and `min_tokens`. `logprobs` (completions: the number of
 alternatives; chat: `logprobs: true` with `top_logprobs`) come back in OpenAI's shapes for each
-choice and chunk. Chat prompts are rendered with the model's own template (chat.py).
+choice and chunk. Chat prompts are rendered with the model's own template (chat.py). `n` choices (and
+completions' `best_of`) share the prompt's computation (choices.py); streamed, each chunk names its
+choice by `index`; usage counts the prompt once and every generated choice's tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import uuid
@@ -18,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from server.errors import InvalidInputError, UnsupportedError
+from server.errors import InvalidInputError
 from server.frontdoor import serving
 from server.repository.registry import Registry
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
-from server.web import streaming
+from server.web import choices, streaming
 from server.web.body import read_body
 from server.web.chat import ChatTemplate, checked_messages
 from server.web.errors import message_of, openai_body, openai_error, status_of
@@ -72,18 +75,20 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic_ns()
         body = await self._body(request)
+        wanted = choices.counts(body, completions=True)
         mv = serving(self.registry, _model(body), "", GENERATE)
         text, ids = _prompt(body.get("prompt"))
         given = GenerationInput(arrival, text=text, token_ids=ids, sampling=_sampling(body, _completion_logprobs(body)))
         decoded = mv.runner.decode(given)
         reply = _Reply("cmpl", "text_completion", mv.name, chat=False)
         echo = decoded.prompt_text if body.get("echo") else ""
-        return await self._answer(mv, decoded, body, reply, echo)
+        return await self._answer(mv, decoded, body, reply, echo, wanted)
 
     @_errors
     async def chat_completions(self, request: Request) -> Response:
         arrival = time.monotonic_ns()
         body = await self._body(request)
+        wanted = choices.counts(body, completions=False)
         mv = serving(self.registry, _model(body), "", GENERATE)
         template = self._template(mv)
         if template is None:
@@ -91,30 +96,33 @@ class OpenAIRoutes:
                                     "use /v1/completions with a prompt")
         prompt = template.render(checked_messages(body.get("messages")), bool(body.get("add_generation_prompt", True)))
         decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=_sampling(body, _chat_logprobs(body))))
-        return await self._answer(mv, decoded, body, _Reply("chatcmpl", "chat.completion", mv.name, chat=True), "")
+        return await self._answer(mv, decoded, body, _Reply("chatcmpl", "chat.completion", mv.name, chat=True), "", wanted)
 
-    async def _answer(self, mv, decoded, body: dict, reply: _Reply, echo: str) -> Response:
-        generation = await streaming.start(mv.runner, decoded)
-        reply.offset = len(echo)
+    async def _answer(self, mv, decoded, body: dict, reply: _Reply, echo: str, wanted: choices.ChoiceCounts) -> Response:
+        generations = await choices.start(mv.runner, choices.variants(decoded, wanted.best_of, wanted.ranked))
+        reply.echo = len(echo)
+        asked = decoded.sampling.logprobs is not None
         if not body.get("stream"):
-            pieces, logprobs, last = [], [], None
-            async for last in generation.events():
-                pieces.append(last.text)
-                logprobs.extend(last.logprobs or [])
-            asked = decoded.sampling.logprobs is not None
-            return JSONResponse(reply.whole(echo + "".join(pieces), last, logprobs if asked else None))
+            generated = await choices.collect(generations)
+            kept = choices.best(generated, wanted.n) if wanted.ranked else generated
+            return JSONResponse(reply.whole(echo, kept, [c.last for c in generated], asked))
         options = body.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
 
         async def chunks():
-            yield streaming.sse(reply.chunk(echo, None, first=True))
+            for index in range(wanted.n):
+                yield streaming.sse(reply.chunk(index, echo, None, first=True))
+            finals = []
             try:
-                async for event in generation.events():
-                    if event.text or event.finish_reason is not None or event.logprobs:
-                        yield streaming.sse(reply.chunk(event.text, _FINISH.get(event.finish_reason, event.finish_reason),
-                                                        logprobs=event.logprobs))
-                    if event.finish_reason is not None and usage:
-                        yield streaming.sse(reply.usage_chunk(event))
+                async with contextlib.aclosing(choices.merged(generations)) as events:
+                    async for index, event in events:
+                        if event.text or event.finish_reason is not None or event.logprobs:
+                            finish = _FINISH.get(event.finish_reason, event.finish_reason)
+                            yield streaming.sse(reply.chunk(index, event.text, finish, logprobs=event.logprobs))
+                        if event.finish_reason is not None:
+                            finals.append(event)
+                if usage:
+                    yield streaming.sse(reply.usage_chunk(finals))
             except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
                 yield streaming.sse(openai_body(exc))
             yield streaming.sse("[DONE]")
@@ -125,10 +133,6 @@ class OpenAIRoutes:
         body = parse_json(await read_body(request, self.body_limit))
         if not isinstance(body, dict):
             raise InvalidInputError("the request body must be a JSON object")
-        if body.get("n", 1) not in (1, None):
-            raise UnsupportedError("n > 1 is not supported: send one request per completion")
-        if body.get("best_of", 1) not in (1, None):
-            raise UnsupportedError("best_of is not supported")
         unknown = set(body) - set(_SAMPLING) - _IGNORED
         if unknown:
             raise InvalidInputError(f"unsupported fields {sorted(unknown)[:10]}")
@@ -143,52 +147,62 @@ class OpenAIRoutes:
 
 
 class _Reply:
-    """OpenAI's response and chunk objects for one request (one id, one creation time)."""
+    """OpenAI's response and chunk objects for one request (one id, one creation time), each choice by index."""
 
     def __init__(self, prefix: str, kind: str, model: str, chat: bool):
         self.id, self.kind, self.model, self.chat = f"{prefix}-{uuid.uuid4().hex}", kind, model, chat
         self.created = int(time.time())
-        self.offset = 0  # completions' text_offset of the next token
+        self.echo = 0  # characters of echoed prompt in front of every choice's text
+        self._offsets: dict[int, int] = {}  # completions' text_offset of each choice's next token
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
 
-    def whole(self, text: str, last, logprobs: list | None = None) -> dict:
-        finish = _FINISH.get(last.finish_reason, last.finish_reason)
-        shaped = self._logprobs(logprobs)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": shaped}
-                  if self.chat else {"index": 0, "text": text, "finish_reason": finish, "logprobs": shaped})
-        return self._object(self.kind, [choice], usage=_usage(last))
+    def whole(self, echo: str, kept: list, finals: list, asked: bool) -> dict:
+        """`kept`: the choices answered (choices.Choice); `finals`: the last event of every choice generated
+        (best_of's discarded ones included: their tokens are counted in usage, as OpenAI counts them)."""
+        shaped = []
+        for choice in kept:
+            text, last = echo + "".join(choice.pieces), choice.last
+            finish = _FINISH.get(last.finish_reason, last.finish_reason)
+            logprobs = self._logprobs(choice.index, choice.logprobs if asked else None)
+            shaped.append({"index": choice.index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                           "logprobs": logprobs} if self.chat else
+                          {"index": choice.index, "text": text, "finish_reason": finish, "logprobs": logprobs})
+        return self._object(self.kind, shaped, usage=_usage(finals))
 
-    def chunk(self, text: str, finish: str | None, first: bool = False, logprobs: list | None = None) -> dict:
-        shaped = self._logprobs(logprobs)
+    def chunk(self, index: int, text: str, finish: str | None, first: bool = False, logprobs: list | None = None) -> dict:
+        shaped = self._logprobs(index, logprobs)
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": shaped}
+            choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": shaped}
             return self._object("chat.completion.chunk", [choice])
-        return self._object(self.kind, [{"index": 0, "text": text, "finish_reason": finish, "logprobs": shaped}])
+        return self._object(self.kind, [{"index": index, "text": text, "finish_reason": finish, "logprobs": shaped}])
 
-    def _logprobs(self, entries: list | None) -> dict | None:
+    def _logprobs(self, index: int, entries: list | None) -> dict | None:
         """OpenAI's logprobs object: chat's `content` list, or completions' parallel lists with text offsets."""
         if entries is None:
             return None
         if self.chat:
             return {"content": [{**_chat_logprob(e.sampled), "top_logprobs": [_chat_logprob(t) for t in e.top]}
                                 for e in entries]}
-        offsets = []
+        offsets, offset = [], self._offsets.get(index, self.echo)
         for entry in entries:
-            offsets.append(self.offset)
-            self.offset += len(entry.sampled.token)
+            offsets.append(offset)
+            offset += len(entry.sampled.token)
+        self._offsets[index] = offset
         return {"tokens": [e.sampled.token for e in entries], "token_logprobs": [e.sampled.logprob for e in entries],
                 "top_logprobs": [{t.token: t.logprob for t in e.top} for e in entries], "text_offset": offsets}
 
-    def usage_chunk(self, last) -> dict:
-        return self._object("chat.completion.chunk" if self.chat else self.kind, [], usage=_usage(last))
+    def usage_chunk(self, finals: list) -> dict:
+        return self._object("chat.completion.chunk" if self.chat else self.kind, [], usage=_usage(finals))
 
 
-def _usage(event) -> dict:
-    return {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens,
-            "total_tokens": event.prompt_tokens + event.completion_tokens}
+def _usage(finals: list) -> dict:
+    """OpenAI's count: the prompt once, the completion tokens of every choice generated."""
+    prompt = finals[0].prompt_tokens if finals else 0
+    completion = sum(event.completion_tokens for event in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _model(body: dict) -> str:

@@ -22,10 +22,12 @@ from server.log_settings import LogControl
 from server.metrics import FrontDoorRequests
 from server.model_control import ModelControl
 from server.repository.registry import Registry
+from server.shared_memory import SharedMemoryRegistry
 from server.web.gate import Gate
 from server.web.generate import GenerateRoutes
 from server.web.kserve import KServeRoutes
 from server.web.openai_api import OpenAIRoutes
+from server.web.shared_memory import SharedMemoryRoutes
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +40,12 @@ class WebOptions:
 
 
 def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
-              logs: LogControl, control: ModelControl):
-    routes = (KServeRoutes(registry, health, options.body_limit, logs, control).routes()
+              logs: LogControl, control: ModelControl, server_name: str = "ferry",
+              regions: SharedMemoryRegistry | None = None):
+    """`regions`: the system shared memory regions, the same registry the gRPC door serves (one set per server)."""
+    regions = regions if regions is not None else SharedMemoryRegistry()
+    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions).routes()
+              + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit).routes()
               + OpenAIRoutes(registry, options.body_limit).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
@@ -47,8 +53,9 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
 
 class WebServer:
     def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, access: AccessPolicy,
-                 requests: FrontDoorRequests, logs: LogControl, control: ModelControl):
-        app = build_app(registry, health, drain, access, requests.http, options, logs, control)
+                 requests: FrontDoorRequests, logs: LogControl, control: ModelControl, server_name: str = "ferry",
+                 regions: SharedMemoryRegistry | None = None):
+        app = build_app(registry, health, drain, access, requests.http, options, logs, control, server_name, regions)
         self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                      http="httptools", timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)

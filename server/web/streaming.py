@@ -31,6 +31,10 @@ class Generation:
             async for event in self._events:
                 yield event
 
+    async def close(self) -> None:
+        """End the generation now (its sequence is cancelled and its blocks freed) if it is still running."""
+        await self._events.aclose()
+
     async def collect(self) -> tuple[str, GenerationEvent]:
         """All the text, and the final event (usage, finish reason)."""
         pieces, last = [], self.first

@@ -4,8 +4,10 @@ A request body is a JSON header, optionally followed by raw tensor bytes (its le
 `Inference-Header-Content-Length` header). An input with `parameters.binary_data_size` is a numpy
 view over its slice of those bytes (server/tensors.py, the same parser gRPC raw contents use); an
 input with `data` is converted by numpy from the JSON list, checked for kind and range, never cast
-silently. Outputs go back binary when asked (`binary_data`, or `binary_data_output` for all), JSON
-lists otherwise.
+silently. An input whose parameters name a system shared memory region (`shared_memory_region`,
+`shared_memory_byte_size`, `shared_memory_offset`: Triton's names, checked by the same rules as on
+gRPC) is copied out of it. Outputs go back binary when asked (`binary_data`, or `binary_data_output`
+for all), JSON lists otherwise, or into the region a requested output names.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 import numpy as np
 
 from server import datatypes, tensors
-from server.errors import InvalidInputError, UnsupportedError
+from server.errors import InvalidInputError
+from server.shared_memory import Placement, SharedMemoryRegistry, placement, write_output
 from server.names import capped, shown
 
 # Which numpy kinds a JSON list may parse into, per target kind: ints never from floats, bools only from bools.
@@ -34,6 +37,7 @@ class DecodedInfer:
     binary_default: bool
     parameters: dict[str, Any] = field(default_factory=dict)
     id: str = ""
+    placements: list[Placement] = field(default_factory=list)  # requested outputs to write into shared memory
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
@@ -58,7 +62,7 @@ def parse_json(data) -> Any:
         raise InvalidInputError(f"the request body is not valid JSON: {capped(str(exc), 200)}") from None
 
 
-def decode_infer(header: dict, binary: memoryview) -> DecodedInfer:
+def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry | None = None) -> DecodedInfer:
     given = header.get("inputs")
     if not isinstance(given, list) or not given:
         raise InvalidInputError("the inference request needs 'inputs': a non-empty list of tensors")
@@ -68,9 +72,11 @@ def decode_infer(header: dict, binary: memoryview) -> DecodedInfer:
         name, dtype, shape, params = _tensor_fields(tensor)
         if name in inputs:
             raise InvalidInputError(f"input {shown(name)} appears twice in the request")
-        _no_shared_memory("input", name, params)
+        where = placement(name, params)
         size = params.get("binary_data_size")
-        if size is not None:
+        if where is not None:
+            inputs[name] = _shared(regions).read(where, dtype, shape)
+        elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise InvalidInputError(f"input {shown(name)}: binary_data_size {capped(repr(size), 40)} does not fit the "
                                         f"{len(binary) - offset} binary bytes left in the body")
@@ -84,11 +90,13 @@ def decode_infer(header: dict, binary: memoryview) -> DecodedInfer:
         raise InvalidInputError(f"{len(binary) - offset} bytes of binary data are left over after the inputs that claim them")
     params = _parameters(header.get("parameters"))
     binary_default = params.pop("binary_data_output", False)
-    requested, binary_outputs = _outputs(header.get("outputs"))
+    requested, binary_outputs, placements = _outputs(header.get("outputs"))
+    if placements:
+        _shared(regions)
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInputError(f"'id' must be a string, got {type(request_id).__name__}")
-    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id)
+    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id, placements)
 
 
 def _tensor_fields(tensor) -> tuple[str, datatypes.DataType, tuple[int, ...], dict]:
@@ -151,12 +159,12 @@ def _parameters(params) -> dict[str, Any]:
     return dict(params)
 
 
-def _outputs(given) -> tuple[tuple[str, ...], dict[str, bool]]:
+def _outputs(given) -> tuple[tuple[str, ...], dict[str, bool], list[Placement]]:
     if given is None:
-        return (), {}
+        return (), {}, []
     if not isinstance(given, list):
         raise InvalidInputError("'outputs' must be a list of {\"name\": ...} objects")
-    names, binary = [], {}
+    names, binary, placements = [], {}, []
     for out in given:
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
             raise InvalidInputError("every requested output must be a JSON object with a string 'name'")
@@ -165,21 +173,28 @@ def _outputs(given) -> tuple[tuple[str, ...], dict[str, bool]]:
             raise InvalidInputError(f"output {shown(out['name'])}: 'parameters' must be a JSON object")
         if params.get("classification"):
             raise InvalidInputError(f"output {shown(out['name'])}: the classification extension is not supported")
-        _no_shared_memory("output", out["name"], params)
+        where = placement(out["name"], params)
+        if where is not None:
+            placements.append(where)
         names.append(out["name"])
         if "binary_data" in params:
             binary[out["name"]] = bool(params["binary_data"])
-    return tuple(names), binary
+    return tuple(names), binary, placements
 
 
 def encode_infer(decoded: DecodedInfer, model: str, version: int, outputs: dict[str, np.ndarray],
-                 order: tuple[str, ...]) -> tuple[bytes, int | None]:
-    """The response body, and the JSON header's length when binary data follows it (None: all JSON)."""
+                 order: tuple[str, ...], shared: dict | None = None) -> tuple[bytes, int | None]:
+    """The response body, and the JSON header's length when binary data follows it (None: all JSON).
+
+    `shared`: output name -> (Region, Placement), from `SharedMemoryRegistry.targets`: written there and
+    answered with the region's parameters and no data, as Triton does."""
     described, chunks = [], []
     for name in order:
         array = outputs[name]
         entry = {"name": name, "datatype": datatypes.from_numpy(array.dtype).api, "shape": list(array.shape)}
-        if decoded.binary_outputs.get(name, decoded.binary_default):
+        if shared and name in shared:
+            entry["parameters"] = write_output(shared[name], array)
+        elif decoded.binary_outputs.get(name, decoded.binary_default):
             raw = tensors.to_raw(array)
             entry["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
@@ -206,9 +221,7 @@ def _json_data(name: str, array: np.ndarray) -> list:
                                 "parameters.binary_data=true") from None
 
 
-def _no_shared_memory(kind: str, name: str, params: dict) -> None:
-    """Shared memory regions are registered and used over gRPC only; here a tensor naming one is refused (501)."""
-    if "shared_memory_region" in params:
-        raise UnsupportedError(f"{kind} {shown(name)} names a shared memory region; the HTTP front door does not serve "
-                               "shared memory: use the gRPC endpoint (SystemSharedMemoryRegister) or send the data "
-                               "in the request")
+def _shared(regions: SharedMemoryRegistry | None) -> SharedMemoryRegistry:
+    if regions is None:  # a caller without regions (the offline path) cannot serve shared memory tensors
+        raise InvalidInputError("this entrance does not serve shared memory tensors; send the data in the request")
+    return regions

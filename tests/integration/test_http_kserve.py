@@ -128,10 +128,11 @@ def test_mixed_binary_and_json_inputs_and_the_binary_header(server):
     (gzip.compress(b" " * (2 << 20)), {"Content-Encoding": "gzip"}, 413, "decompresses"),
     (b"{}", {"Content-Encoding": "br"}, 400, "Content-Encoding"),
     (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "parameters": {
-        "shared_memory_region": "r", "shared_memory_byte_size": 64}}]}).encode(), {}, 501, "use the gRPC endpoint"),
+        "shared_memory_region": "r", "shared_memory_byte_size": 64}}]}).encode(), {}, 404,
+     "Unable to find shared memory region: 'r'"),
     (json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32", "data": [1] * 16}],
-                 "outputs": [{"name": "OUTPUT0", "parameters": {"shared_memory_region": "r"}}]}).encode(), {}, 501,
-     "output 'OUTPUT0' names a shared memory region"),
+                 "outputs": [{"name": "OUTPUT0", "parameters": {"shared_memory_region": "r"}}]}).encode(), {}, 400,
+     "'shared_memory_byte_size' must be specified along with 'shared_memory_region' parameter for tensor 'OUTPUT0'"),
 ], ids=["bad-json", "wrong-count", "strings-for-fp32", "missing-binary", "header-length", "too-large", "gzip-bomb",
         "unknown-encoding", "shm-input", "shm-output"])
 def test_bad_requests_get_a_clear_4xx(server, body, headers, status, words):

@@ -103,9 +103,9 @@ def test_errors_come_in_openais_shape(env):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model="llama", prompt="hi", temperature=-1)
     assert "temperature" in info.value.message
-    with pytest.raises(openai.APIStatusError) as info:
-        client.completions.create(model="llama", prompt="hi", n=2)
-    assert info.value.status_code == 501 and "n > 1" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:  # what n and best_of cannot do is a 400, never a 5xx
+        client.completions.create(model="llama", prompt="hi", n=3, best_of=2)
+    assert "'best_of' (2) must be greater than or equal to 'n' (3)" in info.value.message
 
 
 def post(server, path: str, body: dict) -> tuple[int, bytes]:

@@ -124,6 +124,8 @@ def test_by_default_shared_memory_registration_and_log_changes_are_refused(defau
     err = rpc_error(stub.LogSettings, change)
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "--allow-log-settings" in err.details()
     assert stub.LogSettings(pb.LogSettingsRequest(), timeout=30).settings["log_info"].bool_param  # unchanged
+    status, answer = http(default_server, "/v2/systemsharedmemory/region/r/register", {"key": "/ferry_never", "byte_size": 64})
+    assert status == 403 and "--allow-shared-memory" in answer["error"]  # the HTTP door asks the same registry
     status, answer = http(default_server, "/v2/logging", {"log_info": False})
     assert status == 403 and "--allow-log-settings" in answer["error"]
     assert http(default_server, "/v2/logging")[1]["log_info"] is True
@@ -282,8 +284,7 @@ def test_every_restricted_http_category_refuses_without_its_key_and_serves_with_
     status, answer = http(restricted_server, path, body)
     assert status == 403 and f"expecting header '{key}'" in answer["error"]
     status, answer = http(restricted_server, path, body, {key: value})
-    # served: 200, or (until the HTTP shared-memory routes exist) a 404 that is not the restriction's 403
-    assert status == 200 or (category == "shared-memory" and status == 404), (status, answer)
+    assert status == 200, (status, answer)
 
 
 TRITON_KEY = """

@@ -160,7 +160,7 @@ def test_system_shared_memory_register_infer_status_unregister(tmp_path):
         "offset_size": ("INVALID_ARGUMENT", "Invalid offset + byte size for shared memory region: 'input_data'"),
         "unknown_status": ("NOT_FOUND", "Unable to find system shared memory region: 'nope'"),
         "unregistered": ("NOT_FOUND", "Unable to find shared memory region: 'input_data'"),
-        "cuda": ("UNIMPLEMENTED", "CudaSharedMemoryStatus: CUDA shared memory is not implemented by Ferry"),
+        "cuda": ("NOT_FOUND", "Unable to find cuda shared memory region: 'c'"),
         "cuda_register": ("UNIMPLEMENTED", "CudaSharedMemoryRegister: CUDA shared memory is not implemented by Ferry"),
     }
     for key, (status, words) in expected.items():
@@ -168,5 +168,6 @@ def test_system_shared_memory_register_infer_status_unregister(tmp_path):
         assert words in errors[key]["message"], (key, errors[key])
     assert "SystemSharedMemoryRegister" in errors["unregistered"]["message"]  # says what to do
     assert "system_shared_memory" in found["extensions"]
+    assert found["cuda_status"] == {}  # no CUDA region is ever registered: clearing and status succeed, empty
     assert found["status_left"] == ["kept"] and held == {"kept"}  # unregistered regions are unmapped
     assert cleared["status_left"] == [] and after_clear == set()  # unregister-all

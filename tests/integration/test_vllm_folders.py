@@ -67,9 +67,9 @@ def env(tmp_path_factory):
 
 def sample_client(server: RunningServer, model: str, stream: bool, exclude: bool, **sampling) -> dict:
     """Triton's vLLM sample client's requests (vllm_client_calls.py) for every prompt, in its own process.
-    The sample writes sampling values as strings ("0.1"); they are numbers here until Ferry accepts those."""
+    The sample writes sampling values as strings ("0.1"), and so does this call."""
     call = {"model": model, "prompts": PROMPTS, "stream": stream, "exclude": exclude,
-            "sampling": {"temperature": 0, "top_p": 0.95, "max_tokens": 24, **sampling}}
+            "sampling": {"temperature": "0", "top_p": "0.95", "max_tokens": "24", **sampling}}
     script = Path(__file__).with_name("vllm_client_calls.py")
     done = subprocess.run([sys.executable, str(script), server.address, json.dumps(call)], capture_output=True,
                           text=True, timeout=180)

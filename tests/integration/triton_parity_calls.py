@@ -73,7 +73,8 @@ def shared_memory(client) -> dict:
 
     tag = os.environ["SHM_TAG"]
     a, b = np.arange(16, dtype=np.float32).reshape(4, 4), np.full((4, 4), 0.5, np.float32)
-    client.unregister_system_shared_memory()
+    client.unregister_system_shared_memory()  # both examples begin by clearing both kinds of regions
+    client.unregister_cuda_shared_memory()
     handles = {n: shm.create_shared_memory_region(n, f"/{tag}_{n}", 128) for n in ("input_data", "output_data", "kept")}
     shm.set_shared_memory_region(handles["input_data"], [a])
     shm.set_shared_memory_region(handles["input_data"], [b], offset=64)
@@ -131,12 +132,14 @@ def shared_memory(client) -> dict:
         "offset": error(lambda: simple(in_offset=128)),
         "offset_size": error(lambda: simple(in_offset=96)),
         "unknown_status": error(lambda: client.get_system_shared_memory_status("nope")),
-        "cuda": error(lambda: client.get_cuda_shared_memory_status()),
+        "cuda": error(lambda: client.get_cuda_shared_memory_status("c")),
         "cuda_register": error(lambda: client.register_cuda_shared_memory("c", b"\0" * 64, 0, 64)),
     }
     client.unregister_system_shared_memory("input_data")
     found["errors"]["unregistered"] = error(lambda: simple())
     found["extensions"] = list(client.get_server_metadata().extensions)
+    client.unregister_cuda_shared_memory("c")
+    found["cuda_status"] = client.get_cuda_shared_memory_status(as_json=True)
     for name in ("output_data", "str_in", "str_out"):
         client.unregister_system_shared_memory(name)
     found["status_left"] = sorted(client.get_system_shared_memory_status(as_json=True).get("regions", {}))
