@@ -22,6 +22,7 @@ from server.log_settings import LogControl
 from server.metrics import FrontDoorRequests
 from server.model_control import ModelControl
 from server.repository.registry import Registry
+from server.tracing.control import TraceControl
 from server.web.gate import Gate
 from server.web.generate import GenerateRoutes
 from server.web.kserve import KServeRoutes
@@ -38,8 +39,8 @@ class WebOptions:
 
 
 def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
-              logs: LogControl, control: ModelControl):
-    routes = (KServeRoutes(registry, health, options.body_limit, logs, control).routes()
+              logs: LogControl, control: ModelControl, tracing: TraceControl | None = None):
+    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, tracing).routes()
               + GenerateRoutes(registry, options.body_limit).routes()
               + OpenAIRoutes(registry, options.body_limit).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
@@ -47,8 +48,8 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
 
 class WebServer:
     def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, access: AccessPolicy,
-                 requests: FrontDoorRequests, logs: LogControl, control: ModelControl):
-        app = build_app(registry, health, drain, access, requests.http, options, logs, control)
+                 requests: FrontDoorRequests, logs: LogControl, control: ModelControl, tracing: TraceControl | None = None):
+        app = build_app(registry, health, drain, access, requests.http, options, logs, control, tracing)
         self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                      http="httptools", timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)
