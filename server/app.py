@@ -180,7 +180,7 @@ def trace_control(config: ServerConfig, prom: CollectorRegistry) -> TraceControl
 
         otel = OtelExporter(settings.otel)
         prom.register(TraceCollector(otel))
-        log.info("tracing: OpenTelemetry spans to %s (level %s, rate %d)", settings.otel.url,
+        log.info("tracing: OpenTelemetry spans to %s (level %s, rate %d)", settings.otel.url or "the OTEL_* endpoint",
                  ",".join(settings.level) or "OFF", settings.rate)
     elif settings.on:
         log.info("tracing: Triton trace file %s (level %s, rate %d, count %d, log-frequency %d)", settings.file,

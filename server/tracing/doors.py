@@ -70,8 +70,12 @@ async def http_unary(trace: r.Trace, arrival_ns: int, call: Awaitable[Response])
         _end(trace, None)
         raise
     trace.mark(r.HTTP_SEND_START)
-    response.background = BackgroundTask(_end, trace, r.HTTP_SEND_END)
+    response.background = BackgroundTask(_sent, trace)  # async: run on the loop, not in a thread pool
     return response
+
+
+async def _sent(trace: r.Trace) -> None:
+    _end(trace, r.HTTP_SEND_END)
 
 
 def _end(trace: r.Trace, last: str | None) -> None:

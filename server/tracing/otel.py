@@ -93,7 +93,8 @@ class OtelExporter:
     def __init__(self, options: OtelOptions, exporter: SpanExporter | None = None):
         attributes = {"service.name": "ferry", "service.version": __version__, **dict(options.resource)}
         self.provider = TracerProvider(resource=Resource.create(attributes))
-        self.exporter = _Counting(exporter or OTLPSpanExporter(endpoint=options.url, timeout=EXPORT_TIMEOUT_S))
+        self.exporter = _Counting(exporter or OTLPSpanExporter(endpoint=options.url or None,
+                                                                    timeout=EXPORT_TIMEOUT_S))
         self.processor = _Processor(self.exporter, options)
         self.provider.add_span_processor(self.processor)
         self.tracer = self.provider.get_tracer("ferry", __version__)

@@ -28,7 +28,7 @@ KEYS = ("trace_file", "trace_level", "trace_rate", "trace_count", "log_frequency
 class OtelOptions:
     """`--trace-config opentelemetry,...`: where spans go and how the batch span processor batches them."""
 
-    url: str = DEFAULT_OTLP_URL
+    url: str = ""  # "": OTEL_EXPORTER_OTLP_TRACES_ENDPOINT (or ..._ENDPOINT + /v1/traces), else DEFAULT_OTLP_URL
     resource: tuple[tuple[str, str], ...] = ()  # resource attributes beside service.name
     max_queue_size: int = 2048  # spans held for export; beyond it new spans are dropped (and counted)
     schedule_delay_ms: int = 5000
