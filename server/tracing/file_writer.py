@@ -55,6 +55,13 @@ class TraceFileWriter:
         """`trace_file` changed to `path`: its index starts at 0 again (Triton)."""
         self._queue.put(("reset", path, None, 0, True))
 
+    def sync(self, timeout_s: float = 30) -> bool:
+        """Wait until everything handed over so far is written (tests; a reader that wants the file now)."""
+        self._start()
+        done = threading.Event()
+        self._queue.put(("sync", "", done, 0, False))
+        return done.wait(timeout_s)
+
     def close(self) -> None:
         """Write what is left and close every file; returns once done."""
         if self._thread is None:
@@ -76,14 +83,18 @@ class TraceFileWriter:
             while not self._queue.empty():  # everything that finished meanwhile, in one write per file
                 items.append(self._queue.get())
             streamed: dict[str, list[dict]] = {}
-            stop = False
+            stop, synced = False, []
             for item in items:
                 if item is _STOP:
                     stop = True
-                    continue
-                self._handle(item, streamed)
+                elif item[0] == "sync":
+                    synced.append(item[2])
+                else:
+                    self._handle(item, streamed)
             for path, entries in streamed.items():
                 self._append(path, entries)
+            for done in synced:
+                done.set()
             if stop:
                 self._finish()
                 return
