@@ -88,8 +88,8 @@ def render(rows: list[dict], args: argparse.Namespace) -> str:
     summary = []
     for name in settings(args):
         mine = [r for r in rows if r["setting"] == name]
-        summary.append({"setting": name, "req_per_s (median)": statistics.median(r["req_per_s"] for r in mine),
-                        "p99_ms (median)": statistics.median(r["p99_ms"] for r in mine),
+        summary.append({"setting": name, "req_per_s (median)": round(statistics.median(r["req_per_s"] for r in mine), 1),
+                        "p99_ms (median)": round(statistics.median(r["p99_ms"] for r in mine), 2),
                         "errors": sum(r["errors"] for r in mine)})
     off = next(r["req_per_s (median)"] for r in summary if r["setting"] == "off")
     for row in summary:
