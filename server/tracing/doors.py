@@ -75,6 +75,8 @@ async def http_unary(trace: r.Trace, arrival_ns: int, call: Awaitable[Response])
 
 
 async def _sent(trace: r.Trace) -> None:
+    if r.HTTP_SEND_START not in (name for name, _ in trace.timestamps):  # a stream that ended without a last event
+        trace.mark(r.HTTP_SEND_START)
     _end(trace, r.HTTP_SEND_END)
 
 
@@ -89,14 +91,45 @@ class GenerationTrace:
     last response's usage and timings become the GenAI semantic-convention attributes."""
 
     def __init__(self, trace: r.Trace, arrival_ns: int, context=None):
+        """`context`: the gRPC call's (its end is GRPC_SEND_END); None: an HTTP request (`respond`)."""
         self.trace = trace
         self.arrival_ns = arrival_ns
         self.first = True
-        trace.mark(r.GRPC_WAITREAD_START, arrival_ns)
-        trace.mark(r.GRPC_WAITREAD_END, arrival_ns)
-        trace.attributes["span.name"] = f"text_completion {trace.model_name}"
-        if context is not None:
+        self.http = context is None
+        if self.http:
+            trace.mark(r.HTTP_RECV_START, arrival_ns)
+        else:
+            trace.mark(r.GRPC_WAITREAD_START, arrival_ns)
+            trace.mark(r.GRPC_WAITREAD_END, arrival_ns)
             context.add_done_callback(lambda _: _end(trace, r.GRPC_SEND_END))
+        trace.attributes["span.name"] = f"text_completion {trace.model_name}"
+
+    def received(self) -> None:
+        """HTTP: the body has been read."""
+        self.trace.mark(r.HTTP_RECV_END)
+
+    def respond(self, response: Response) -> Response:
+        """HTTP: the trace ends once Starlette has sent the whole response (a stream's last event included)."""
+        response.background = BackgroundTask(_sent, self.trace)
+        return response
+
+    async def collect(self, generation) -> tuple[str, object]:
+        """HTTP /generate: streaming.Generation.collect, each event marked."""
+        pieces, last = [], generation.first
+        try:
+            async for event in self.events(generation.events()):
+                pieces.append(event.text)
+                last = event
+        except BaseException as exc:
+            self.failed(exc)
+            raise
+        return "".join(pieces), last
+
+    async def events(self, events):
+        """The generation's events, each marked as it passes."""
+        async for event in events:
+            self.event(event)
+            yield event
 
     def started(self, version: int, request_id: str, sampling) -> None:
         trace = self.trace
@@ -124,7 +157,7 @@ class GenerationTrace:
         trace.mark(r.COMPUTE_START, min(compute, now))
         trace.mark(r.COMPUTE_END, now)
         trace.mark(r.REQUEST_END)
-        trace.mark(r.GRPC_SEND_START)
+        trace.mark(r.HTTP_SEND_START if self.http else r.GRPC_SEND_START)
         trace.attributes.update({
             "gen_ai.usage.input_tokens": event.prompt_tokens, "gen_ai.usage.output_tokens": event.completion_tokens,
             "gen_ai.response.finish_reasons": [event.finish_reason],
@@ -132,4 +165,6 @@ class GenerationTrace:
             "gen_ai.latency.time_in_queue": event.queue_ms / 1e3, "gen_ai.latency.e2e": event.total_ms / 1e3})
 
     def failed(self, exc: BaseException) -> None:
+        """HTTP: the request failed before its response was built; the trace ends now."""
         self.trace.attributes["error"] = f"{type(exc).__name__}: {exc}"
+        _end(self.trace, None)

@@ -41,7 +41,7 @@ class WebOptions:
 def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
               logs: LogControl, control: ModelControl, tracing: TraceControl | None = None):
     routes = (KServeRoutes(registry, health, options.body_limit, logs, control, tracing).routes()
-              + GenerateRoutes(registry, options.body_limit).routes()
+              + GenerateRoutes(registry, options.body_limit, tracing).routes()
               + OpenAIRoutes(registry, options.body_limit).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
 

@@ -57,6 +57,15 @@ def grpc_infer(server, request_id: str) -> None:
     kserve.stub(server.channel).ModelInfer(kserve.request("simple", simple_inputs(), request_id=request_id), timeout=60)
 
 
+def generate_stream(server, body: dict) -> list[dict]:
+    """POST /v2/models/tiny_llama/generate_stream; the server-sent events, decoded."""
+    post = urllib.request.Request(f"{server.http_url}/v2/models/tiny_llama/generate_stream", json.dumps(body).encode(),
+                                  {"Content-Type": "application/json"})
+    with urllib.request.urlopen(post, timeout=120) as reply:
+        text = reply.read().decode()
+    return [json.loads(line[len("data: "):]) for line in text.splitlines() if line.startswith("data: ")]
+
+
 def read_traces(path: Path) -> dict[int, dict]:
     """id -> {"header", "stamps": [(name, ns)], "tensors": [...]}; every entry checked against Triton's layout."""
     traces: dict[int, dict] = defaultdict(lambda: {"header": None, "stamps": [], "tensors": []})
@@ -105,6 +114,8 @@ def file_run(tmp_path_factory) -> dict:
         request = gen.GenerateRequest(model_name="tiny_llama", id="gen-0", text="A ferry leaves",
                                       sampling=gen.SamplingParams(max_tokens=GEN_TOKENS, ignore_eos=True))
         seen["generated"] = list(gen_grpc.GenerationStub(server.channel).Generate(request, timeout=120))
+        seen["sse"] = generate_stream(server, {"text_input": "A ferry leaves", "max_tokens": GEN_TOKENS,
+                                               "ignore_eos": True, "id": "gen-http"})
         script = Path(__file__).with_name("trace_settings_calls.py")
         done = subprocess.run([sys.executable, str(script), server.address], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
@@ -169,6 +180,16 @@ def test_generation_stream_has_first_token_and_a_timestamp_per_response(file_run
     responses = [ns for n, ns in trace["stamps"] if n == "INFER_RESPONSE_COMPLETE"]
     assert responses == sorted(responses) and responses[0] == dict(trace["stamps"])["FIRST_TOKEN"]
     assert sum(len(r.token_ids) for r in file_run["generated"]) == GEN_TOKENS
+
+
+def test_http_generation_stream_is_traced_with_http_names(file_run):
+    [trace] = named(file_run["traces"], "gen-http")
+    names = [n for n, _ in trace["stamps"]]
+    assert names.count("INFER_RESPONSE_COMPLETE") == len(file_run["sse"]) >= 1
+    assert file_run["sse"][-1]["finish_reason"] == "length"
+    assert_ordered(trace, ["HTTP_RECV_START", "HTTP_RECV_END", "REQUEST_START", "FIRST_TOKEN", "REQUEST_END",
+                           "HTTP_SEND_START", "HTTP_SEND_END"])
+    assert not any(n.startswith("GRPC_") for n in names)
 
 
 def test_settings_read_and_changed_through_tritonclient_grpc(file_run):
