@@ -138,7 +138,7 @@ class TraceControl:
             self.otel.finish(trace)
             return
         settings = sampler.settings
-        self.writer.add(settings.file, trace.entries(), settings.log_frequency, sampler.counted)
+        self.writer.add(settings.file, trace.entries, settings.log_frequency, sampler.counted)
         if trace.parent is not None:  # an ensemble step: counted with its parent
             return
         sampler.in_flight -= 1

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import IO
+from typing import IO, Callable
 
 log = logging.getLogger(__name__)
 _STOP = object()
@@ -41,8 +41,9 @@ class TraceFileWriter:
         self._lock = threading.Lock()  # starting the thread once
         self.written = 0  # traces written, for tests and logs
 
-    def add(self, path: str, entries: list[dict], log_frequency: int, indexed: bool) -> None:
-        """A finished trace's entries (Trace.entries), for `path`; `indexed`: it was taken under a count."""
+    def add(self, path: str, entries: list[dict] | Callable[[], list[dict]], log_frequency: int, indexed: bool) -> None:
+        """A finished trace's entries for `path`, or the function that makes them (Trace.entries: called on the
+        writer's thread, so tensors are formatted off the event loop); `indexed`: taken under a count."""
         self._start()
         self._queue.put(("add", path, entries, log_frequency, indexed))
 
@@ -50,10 +51,6 @@ class TraceFileWriter:
         """The count ran out: write the traces waiting for `path` to its next indexed file."""
         self._start()
         self._queue.put(("roll", path, None, 0, True))
-
-    def reset(self, path: str) -> None:
-        """`trace_file` changed to `path`: its index starts at 0 again (Triton)."""
-        self._queue.put(("reset", path, None, 0, True))
 
     def sync(self, timeout_s: float = 30) -> bool:
         """Wait until everything handed over so far is written (tests; a reader that wants the file now)."""
@@ -103,11 +100,11 @@ class TraceFileWriter:
         kind, path, entries, log_frequency, indexed = item
         state = self._files.setdefault(path, _File())
         try:
-            if kind == "reset":
-                state.index = 0
-            elif kind == "roll":
+            if kind == "roll":
                 self._write_indexed(path, state)
-            elif log_frequency > 0 or indexed:
+                return
+            entries = entries() if callable(entries) else entries
+            if log_frequency > 0 or indexed:
                 state.pending.extend(entries)
                 state.pending_traces += 1
                 if log_frequency > 0 and state.pending_traces >= log_frequency:
@@ -115,7 +112,7 @@ class TraceFileWriter:
             else:
                 streamed.setdefault(path, []).extend(entries)
                 self.written += 1
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - the writer thread must outlive any one trace
             log.error("trace file %s: %s; these traces are lost", path, exc)
 
     def _write_indexed(self, path: str, state: _File) -> None:
