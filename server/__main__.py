@@ -184,9 +184,16 @@ def _trace_settings(parser: argparse.ArgumentParser, values: list[str]):
     from server.tracing.settings import from_flags
 
     try:
-        return from_flags(values)
+        settings = from_flags(values)
     except ValueError as exc:
         parser.error(str(exc))
+    if settings.mode == "opentelemetry":
+        try:
+            import server.tracing.otel  # noqa: F401 - the SDK and the OTLP exporter, checked before anything starts
+        except ImportError as exc:
+            parser.error(f"--trace-config mode=opentelemetry needs the OpenTelemetry SDK and OTLP/HTTP exporter "
+                         f"(pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http): {exc}")
+    return settings
 
 
 def _restrictions(parser: argparse.ArgumentParser, flag: str, values: list[str]) -> tuple:
