@@ -78,6 +78,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--cache-config", action="append", default=[], metavar="local,size=BYTES",
                    help="a response cache, as Triton's flag: `local,size=BYTES` holds up to BYTES of answers for "
                         "models whose config sets response_cache: {enable: true}")
+    p.add_argument("--trace-config", action="append", default=[], metavar="[triton,|opentelemetry,]SETTING=VALUE",
+                   help="as Triton's (repeatable): level=TIMESTAMPS|TENSORS|OFF, rate=N (one request in N), count=N "
+                        "(-1: no limit), mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N, "
+                        "opentelemetry,url=URL, opentelemetry,resource=KEY=VALUE; see docs/observability.md")
+    p.add_argument("--allow-trace-settings", action="store_true",
+                   help="let clients change the trace settings (TraceSetting, POST /v2/trace/setting); off by default")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         frontend_processes=args.frontend_processes,
         event_loop=args.event_loop,
         response_cache_bytes=_cache_bytes(parser, args.cache_config),
+        trace=_trace_settings(parser, args.trace_config),
+        allow_trace_settings=args.allow_trace_settings,
         **({} if args.frontend_arena_bytes is None else {"frontend_arena_bytes": args.frontend_arena_bytes}),
     )
     raise SystemExit(event_loop.run(run(config), args.event_loop))
@@ -170,6 +178,22 @@ def _cache_bytes(parser: argparse.ArgumentParser, values: list[str]) -> int:
     if values and not size:
         parser.error("--cache-config local needs a size: --cache-config local,size=BYTES")
     return size
+
+
+def _trace_settings(parser: argparse.ArgumentParser, values: list[str]):
+    from server.tracing.settings import from_flags
+
+    try:
+        settings = from_flags(values)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if settings.mode == "opentelemetry":
+        try:
+            import server.tracing.otel  # noqa: F401 - the SDK and the OTLP exporter, checked before anything starts
+        except ImportError as exc:
+            parser.error(f"--trace-config mode=opentelemetry needs the OpenTelemetry SDK and OTLP/HTTP exporter "
+                         f"(pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http): {exc}")
+    return settings
 
 
 def _restrictions(parser: argparse.ArgumentParser, flag: str, values: list[str]) -> tuple:

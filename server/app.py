@@ -19,7 +19,7 @@ from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
 from server.generation_metrics import GenerationFamilies
 from server.log_settings import LogControl
 from server.loop_load import LoopLoad
-from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsCollector
+from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsCollector, TraceCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
 from server.response_cache import ResponseCache
@@ -34,6 +34,8 @@ from server.rpc.servicer import InferenceServicer
 from server.runners.factory import RunnerFactory
 from server.scheduling.budget import ByteBudget
 from server.shared_memory import SharedMemoryRegistry
+from server.tracing.control import TraceControl
+from server.tracing.settings import OPENTELEMETRY, TraceSettings
 from server.web.server import WebOptions, WebServer
 
 log = logging.getLogger("ferry")
@@ -66,6 +68,8 @@ class ServerConfig:
     frontend_arena_bytes: int = DEFAULT_ARENA_BYTES  # shared memory per front-end process for tensors
     event_loop: str = AUTO_LOOP  # the loop front-end processes run on (server/event_loop.py); the caller picks this one's
     response_cache_bytes: int = 0  # > 0: a response cache of this size for models that enable it (--cache-config)
+    trace: TraceSettings = field(default_factory=TraceSettings)  # --trace-config (Triton's trace extension)
+    allow_trace_settings: bool = False  # clients may change the trace settings (TraceSetting, POST /v2/trace/setting)
 
 
 @dataclass(slots=True)
@@ -120,9 +124,10 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
                               config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set)
         rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
     logs = LogControl(allow_updates=config.allow_log_settings)  # LogSettings and /v2/logging (--allow-log-settings)
+    tracing = trace_control(config, prom)
     rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name, control,
-                                                                      regions)),
-                                  generation_service(GenerationServicer(registry))], interceptors)
+                                                                      regions, tracing)),
+                                  generation_service(GenerationServicer(registry, tracing))], interceptors)
     await rpc.start()
     if group is not None:
         await group.start()
@@ -130,7 +135,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     web = None
     if config.web is not None:
         web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control,
-                        config.server_name, regions)
+                        config.server_name, regions, tracing)
         await web.start()
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
     http = None
@@ -162,9 +167,26 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     health.ready = False
     await _drain(config, _Doors(gate, rpc, web, http, group), registry, watcher)
     regions.close()  # no gRPC call is left to use them
+    await asyncio.to_thread(tracing.close)  # the trace file complete, the last spans exported (bounded)
     loop_load.close()
     print("ferry: stopped", flush=True)
     return 1 if group is not None and group.failed else 0
+
+
+def trace_control(config: ServerConfig, prom: CollectorRegistry) -> TraceControl:
+    """Tracing as --trace-config sets it: Triton's trace file, or OpenTelemetry spans over OTLP/HTTP."""
+    settings, otel = config.trace, None
+    if settings.mode == OPENTELEMETRY:
+        from server.tracing.otel import OtelExporter  # the SDK is imported only when it is used
+
+        otel = OtelExporter(settings.otel)
+        prom.register(TraceCollector(otel))
+        log.info("tracing: OpenTelemetry spans to %s (level %s, rate %d)", settings.otel.url or "the OTEL_* endpoint",
+                 ",".join(settings.level) or "OFF", settings.rate)
+    elif settings.on:
+        log.info("tracing: Triton trace file %s (level %s, rate %d, count %d, log-frequency %d)", settings.file,
+                 ",".join(settings.level), settings.rate, settings.count, settings.log_frequency)
+    return TraceControl(settings, config.allow_trace_settings, otel)
 
 
 @dataclass(slots=True)

@@ -304,6 +304,23 @@ class CacheCollector(Collector):
             yield metric
 
 
+class TraceCollector(Collector):
+    """OpenTelemetry export (--trace-config mode=opentelemetry): spans delivered, and spans lost to a collector
+    that is down or slow (export never blocks a request: what cannot be sent is dropped and counted here)."""
+
+    def __init__(self, exporter):
+        self._exporter = exporter
+
+    def collect(self):
+        for name, doc, value in (
+                ("ferry_trace_spans_exported", "Spans the OTLP collector accepted", self._exporter.exporter.exported),
+                ("ferry_trace_spans_dropped", "Spans dropped: the collector refused or could not be reached, or the "
+                                              "export queue was full", self._exporter.dropped)):
+            metric = BareCounter(name, doc)
+            metric.add_sample(name, {}, value)
+            yield metric
+
+
 def _bucket_families(snapshots: list[tuple[ModelStats, dict]]):
     """Per cost bucket (binpack models only): queue depth, upper cost bound, batch sizes."""
     depth = Metric("ferry_bucket_queue_depth", "Requests waiting, per cost bucket", "gauge")

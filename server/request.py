@@ -36,6 +36,7 @@ class InferRequest:
     slot: Any = None  # the queue lane holding it while queued; written only by scheduling.queue
     lane: int = 0  # that lane's rank: level - 1, or one past the lowest level once DELAYed
     future: Any = None  # completion handle owned by the model runner; opaque to schedulers
+    trace: Any = None  # a sampled request's tracing.record.Trace; None (almost always): not traced
 
     def expired(self, now_ns: int) -> bool:
         return self.deadline_ns is not None and now_ns >= self.deadline_ns

@@ -24,12 +24,15 @@ class BatchResult:
     infer_ns: int
     output_ns: int
     padding: PadCount = PadCount()  # positions padded / computed along the variable length
+    started_ns: int = 0  # monotonic: assembly began (for traces: COMPUTE_START)
+    execute_ns: int = 0  # monotonic: the backend's call began (COMPUTE_INPUT_END)
 
 
 class Worker:
     def __init__(self, backend: Backend, signature: Signature, name: str):
         self.backend = backend
         self.signature = signature
+        self.name = name  # the instance's name (its thread's prefix), for traces
         self.assembler: Assembler = assembler_for(signature)  # plain or padded, fixed at load
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
@@ -52,15 +55,16 @@ class Worker:
         t0 = time.monotonic_ns()
         try:
             inputs, pad_count = self.assembler.gather(batch)
-            self._thread.submit(self._run, loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0)
+            self._thread.submit(self._run, loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0, t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             done.set_exception(exc)
         return done
 
-    def _run(self, loop, done: asyncio.Future, batch: Batch, inputs, pad_count: PadCount, input_ns: int) -> None:
+    def _run(self, loop, done: asyncio.Future, batch: Batch, inputs, pad_count: PadCount, input_ns: int,
+             t0: int = 0) -> None:
         """On the instance's thread: run the batch, then hand the result (or the error) to the loop."""
         try:
-            result, error = self._execute(batch, inputs, pad_count, input_ns), None
+            result, error = self._execute(batch, inputs, pad_count, input_ns, t0), None
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             result, error = None, exc
         try:
@@ -68,7 +72,8 @@ class Worker:
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
 
-    def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int) -> BatchResult:
+    def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int,
+                 t0: int = 0) -> BatchResult:
         t1 = time.monotonic_ns()
         try:
             reshape = self.signature.reshape
@@ -82,7 +87,7 @@ class Worker:
         t2 = time.monotonic_ns()
         self._check(outputs)
         split = self.assembler.split(batch, outputs)
-        return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count)
+        return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count, t0, t1)
 
     def _check(self, outputs: dict[str, np.ndarray]) -> None:
         for name, spec in self.signature.outputs.items():

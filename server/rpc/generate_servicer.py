@@ -12,17 +12,24 @@ from server.rpc.errors import translate_stream_errors
 from server.frontdoor import serving
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
+from server.tracing import doors as trace_doors
+from server.tracing.control import TraceControl
 
 SERVICE = gen.DESCRIPTOR.services_by_name["Generation"].full_name
 
 
 class GenerationServicer(gen_grpc.GenerationServicer):
-    def __init__(self, registry: Registry):
+    def __init__(self, registry: Registry, tracing: TraceControl | None = None):
         self.registry = registry
+        self.tracing = tracing or TraceControl()
 
     @translate_stream_errors
     async def Generate(self, request: gen.GenerateRequest, context):
         arrival = time.monotonic_ns()
+        traced = None
+        if self.tracing.active:
+            trace = self.tracing.begin(request.model_name, request.id, arrival, trace_doors.grpc_carrier(context))
+            traced = trace_doors.GenerationTrace(trace, arrival, context) if trace is not None else None
         mv = serving(self.registry, request.model_name, request.model_version, GENERATE)
         remaining = context.time_remaining()
         which = request.WhichOneof("prompt")
@@ -31,9 +38,13 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
             sampling=_sampling(request.sampling), priority=request.priority, timeout_us=request.timeout_us,
             rpc_deadline_ns=arrival + int(remaining * 1e9) if remaining is not None else None))
+        if traced is not None:
+            traced.started(mv.version, request.id, decoded.sampling)
         events = mv.runner.generate(decoded)
         async with contextlib.aclosing(events) as events:  # a client gone closes it now, not at garbage collection
             async for event in events:
+                if traced is not None:
+                    traced.event(event)
                 yield _response(request.id, event)
 
 

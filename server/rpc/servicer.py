@@ -22,21 +22,25 @@ from server.rpc.errors import translate_errors
 from server.rpc.stream_infer import stream_infer
 from server.runners.base import DECOUPLED, INFER
 from server.shared_memory import SharedMemoryRegistry
+from server.tracing import doors as trace_doors
+from server.tracing.control import TraceControl
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory",
-              "logging"]
+              "logging", "trace"]
 
 
 class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, registry: Registry, health, logs: LogControl, server_name: str = "ferry",
-                 control: ModelControl | None = None, shared_memory: SharedMemoryRegistry | None = None):
+                 control: ModelControl | None = None, shared_memory: SharedMemoryRegistry | None = None,
+                 tracing: TraceControl | None = None):
         self.shared_memory = shared_memory if shared_memory is not None else SharedMemoryRegistry()  # the app releases it
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
         self.server_name = server_name  # some Triton clients check for "triton" (--server-name)
         self.control = control or ModelControl(registry)  # load / unload, as the server's model control mode allows
         self.logs = logs  # LogSettings: what the server writes to its log, changed while it runs
+        self.tracing = tracing or TraceControl()  # Triton's trace extension (TraceSetting), sampling per request
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.health.live)
@@ -50,6 +54,16 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
         changes = {key: _setting(key, value) for key, value in request.settings.items()}
         values = self.logs.update(changes) if changes else self.logs.values
         return pb.LogSettingsResponse(settings={key: _setting_value(value) for key, value in values.items()})
+
+    @translate_errors
+    async def TraceSetting(self, request, context):
+        """Triton's trace extension: settings given are changed (an empty value list clears one), all returned."""
+        model = request.model_name
+        trace_doors.check_model(self.registry, model)
+        changes = {key: list(value.value) or None for key, value in request.settings.items()}
+        values = self.tracing.update(changes, model or None)
+        return pb.TraceSettingResponse(settings={key: pb.TraceSettingResponse.SettingValue(
+            value=value if isinstance(value, list) else [value]) for key, value in values.items()})
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name=self.server_name, version=__version__, extensions=EXTENSIONS)
@@ -115,6 +129,11 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
     @translate_errors
     async def ModelInfer(self, request, context):
         arrival = time.monotonic_ns()
+        if self.tracing.active:
+            trace = self.tracing.begin(request.model_name, request.id, arrival, trace_doors.grpc_carrier(context))
+            if trace is not None:
+                call = self._infer(request, arrival, context.time_remaining(), trace)
+                return await trace_doors.grpc_unary(trace, arrival, context, call)
         return await self._infer(request, arrival, context.time_remaining())
 
     async def ModelStreamInfer(self, request_iterator, context):
@@ -131,11 +150,15 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
             async for response in responses:
                 yield response
 
-    async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
+    async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None):
         mv = serving(self.registry, request.model_name, request.model_version, INFER)
         infer, counts = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
         targets = shm_rpc.output_targets(self.shared_memory, request)  # regions checked before any work
+        if trace is not None:
+            trace_doors.attach(trace, infer, mv.version)
         outputs = await mv.runner.infer(infer)
+        if trace is not None:
+            trace_doors.answered(trace, outputs)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
         if counts:
             outputs = classified(outputs, counts, mv.signature)

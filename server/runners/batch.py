@@ -31,6 +31,8 @@ from server.runners.isolation import Outcome, run_isolated
 from server.runners.ordering import ResponseOrder
 from server.scheduling.base import Scheduler
 from server.scheduling.budget import ByteBudget
+from server.tracing.batches import batch_ran
+from server.tracing.record import QUEUE_START
 from server.worker import BatchResult, Worker
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,8 @@ class ModelRunner(RunnerBase):
         back however it ends."""
         self._take_bytes(request.nbytes, request.arrival_ns)
         request.future = asyncio.get_running_loop().create_future()
+        if request.trace is not None:
+            request.trace.mark(QUEUE_START)
         try:
             self.scheduler.submit(request, time.monotonic_ns())
         except BaseException as exc:
@@ -203,7 +207,7 @@ class ModelRunner(RunnerBase):
         try:
             self._give_back(worker, batch, outcome)
         finally:
-            self._answer(batch, outcome)
+            self._answer(batch, outcome, worker)
 
     def _trace(self, batch: Batch, now: int) -> None:
         gauges = self.scheduler.gauges()
@@ -225,7 +229,7 @@ class ModelRunner(RunnerBase):
             outcome = await run_isolated(run, batch, self._unexpected)
         finally:
             self._give_back(worker, batch, outcome)
-        self._answer(batch, outcome)
+        self._answer(batch, outcome, worker)
 
     def _give_back(self, worker: Worker, batch: Batch, outcome: Outcome | None) -> None:
         """The batch's instance time to the scheduler, then the instance to the pool."""
@@ -236,7 +240,7 @@ class ModelRunner(RunnerBase):
             log.exception("model '%s': the scheduler failed to take back a batch", self.name)
         self._release(worker, done)
 
-    def _answer(self, batch: Batch, outcome: Outcome) -> None:
+    def _answer(self, batch: Batch, outcome: Outcome, worker: Worker) -> None:
         if outcome.reruns:
             self.stats.record_reruns(outcome.reruns)
             log.warning("model '%s': a batch of %d requests failed; %d re-runs isolated %d failing request(s): %s",
@@ -245,6 +249,9 @@ class ModelRunner(RunnerBase):
         for part, result in outcome.answered:
             self.stats.record_batch(part.size, len(part.requests), result.input_ns, result.infer_ns, result.output_ns,
                                     result.padding.padded, result.padding.computed, part.bucket)
+            traced = [request for request in part.requests if request.trace is not None]
+            if traced:
+                batch_ran(traced, self.name, part.size, len(part.requests), result.padding.padded, worker.name, result)
             if self._order is None:  # nothing to keep in order: set each answer now, no closure per request
                 for request, outputs in zip(part.requests, result.outputs):
                     if not request.future.done():

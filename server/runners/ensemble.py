@@ -26,6 +26,7 @@ from server.request import InferRequest
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, Runner, RunnerBase
 from server.signature import Signature
+from server.tracing.record import REQUEST_END, step_trace
 
 
 class StepModel(Protocol):
@@ -130,7 +131,15 @@ class EnsembleRunner(RunnerBase):
             model = self.lookup(step.model_name, _version(step))
             if model.runner.serves != INFER:
                 raise InvalidInputError(f"model '{model.name}' streams its answers and cannot be an ensemble step")
-            return await model.runner.infer(_step_request(model, step, request, tensors))
+            step_request = _step_request(model, step, request, tensors)
+            if request.trace is not None:  # traced: the step's request is traced too, with parent_id
+                step_request.trace = step_trace(request.trace, model.name, model.runner.version)
+            try:
+                return await model.runner.infer(step_request)
+            finally:
+                if step_request.trace is not None:
+                    step_request.trace.mark(REQUEST_END)
+                    step_request.trace.finish()
         except FerryError as exc:
             raise type(exc)(f"{where} failed: {exc.message}") from exc
 

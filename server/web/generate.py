@@ -23,6 +23,8 @@ from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
 from server.runners.sampling import KEYS as SAMPLING_KEYS
 from server.runners.sampling import from_strings
+from server.tracing import doors as trace_doors
+from server.tracing.control import TraceControl
 from server.web import streaming
 from server.web.body import read_body
 from server.web.errors import message_of
@@ -33,8 +35,9 @@ _INPUTS = {"text_input", "max_tokens", "stream", "exclude_input_in_output", "sam
 
 
 class GenerateRoutes:
-    def __init__(self, registry: Registry, body_limit: int):
+    def __init__(self, registry: Registry, body_limit: int, tracing: TraceControl | None = None):
         self.registry, self.body_limit = registry, body_limit
+        self.tracing = tracing or TraceControl()
 
     def routes(self) -> list[Route]:
         return ([Route(p, self.generate, methods=["POST"]) for p in model_paths("/generate")]
@@ -42,29 +45,47 @@ class GenerateRoutes:
 
     @kserve_errors
     async def generate(self, request: Request) -> Response:
-        mv, body, generation = await self._start(request)
-        text, last = await generation.collect()
+        mv, body, generation, traced = await self._start(request)
+        text, last = await (generation.collect() if traced is None else traced.collect(generation))
         if not body.get("exclude_input_in_output", False):
             text = body["text_input"] + text
-        return JSONResponse(_answer(mv, text, last))
+        response = JSONResponse(_answer(mv, text, last))
+        return response if traced is None else traced.respond(response)
 
     @kserve_errors
     async def generate_stream(self, request: Request) -> Response:
-        mv, _, generation = await self._start(request)
+        mv, _, generation, traced = await self._start(request)
+        events = generation.events() if traced is None else traced.events(generation.events())
 
         async def frames():
             try:
-                async for event in generation.events():
+                async for event in events:
                     yield streaming.sse(_answer(mv, event.text, event))
             except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
                 yield streaming.sse({"error": message_of(exc)})
 
-        return StreamingResponse(frames(), media_type="text/event-stream", headers=streaming.SSE_HEADERS)
+        response = StreamingResponse(frames(), media_type="text/event-stream", headers=streaming.SSE_HEADERS)
+        return response if traced is None else traced.respond(response)
 
     async def _start(self, request: Request):
+        """(model version, body, started generation, its GenerationTrace or None when not sampled)."""
         arrival = time.monotonic_ns()
+        traced = None
+        if self.tracing.active:
+            trace = self.tracing.begin(request.path_params["name"], "", arrival, request.headers)
+            traced = trace_doors.GenerationTrace(trace, arrival) if trace is not None else None
+        try:
+            return (*await self._begin(request, arrival, traced), traced)
+        except BaseException as exc:
+            if traced is not None:
+                traced.failed(exc)
+            raise
+
+    async def _begin(self, request: Request, arrival: int, traced):
         mv = serving(self.registry, request.path_params["name"], request.path_params.get("version", ""), GENERATE)
         body = parse_json(await read_body(request, self.body_limit))
+        if traced is not None:
+            traced.received()
         if not isinstance(body, dict) or not isinstance(body.get("text_input"), str):
             raise InvalidInputError("the generate request must be a JSON object with a string 'text_input'")
         unknown = set(body) - _INPUTS - SAMPLING_KEYS
@@ -78,6 +99,8 @@ class GenerateRoutes:
             sampling.update(_json_object(body["sampling_parameters"]))
         decoded = mv.runner.decode(GenerationInput(arrival, text=body["text_input"], sampling=from_strings(sampling),
                                                    priority=params.get("priority", 0), timeout_us=params.get("timeout", 0)))
+        if traced is not None:
+            traced.started(mv.version, str(body.get("id", "")), decoded.sampling)
         return mv, body, await streaming.start(mv.runner, decoded)
 
 

@@ -26,13 +26,16 @@ from server.names import parse_version, shown
 from server.repository.registry import READY, ModelVersion, Registry
 from server.runners.base import INFER
 from server.shared_memory import SharedMemoryRegistry
+from server.tracing import doors as trace_doors
+from server.tracing.control import TraceControl
+from server.tracing.record import HTTP_RECV_END
 from server.web import tensors
 from server.web.body import read_body
 from server.web.config_json import config_json
 from server.web.errors import kserve_error, message_of, status_of
 
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory",
-              "binary_tensor_data", "generate", "logging"]
+              "binary_tensor_data", "generate", "logging", "trace"]
 
 
 def kserve_errors(handler):
@@ -54,10 +57,12 @@ def model_paths(suffix: str) -> list[str]:
 
 class KServeRoutes:
     def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl, control: ModelControl,
-                 server_name: str = "ferry", regions: SharedMemoryRegistry | None = None):
+                 server_name: str = "ferry", regions: SharedMemoryRegistry | None = None,
+                 tracing: TraceControl | None = None):
         self.registry, self.health, self.body_limit, self.control = registry, health, body_limit, control
         self.logs, self.server_name = logs, server_name  # the name ServerMetadata gives on gRPC too (--server-name)
         self.regions = regions if regions is not None else SharedMemoryRegistry()  # shared with gRPC's
+        self.tracing = tracing or TraceControl()
 
     def routes(self) -> list[Route]:
         table = [("/v2/health/live", self.live, "GET"), ("/v2/health/ready", self.ready, "GET"),
@@ -65,7 +70,9 @@ class KServeRoutes:
                  ("/v2/repository/index", self.repository_index, "POST"),
                  ("/v2/repository/models/{name}/load", self.load, "POST"),
                  ("/v2/repository/models/{name}/unload", self.unload, "POST"),
-                 ("/v2/logging", self.logging, "GET"), ("/v2/logging", self.logging, "POST")]
+                 ("/v2/logging", self.logging, "GET"), ("/v2/logging", self.logging, "POST"),
+                 *((path, self.trace_setting, method) for path in ("/v2/trace/setting", "/v2/models/{name}/trace/setting")
+                   for method in ("GET", "POST"))]
         for suffix, handler, method in (("/ready", self.model_ready, "GET"), ("/config", self.model_config, "GET"),
                                         ("/stats", self.statistics, "GET"), ("/infer", self.infer, "POST"),
                                         ("", self.model_metadata, "GET")):
@@ -137,6 +144,15 @@ class KServeRoutes:
         return JSONResponse(self.logs.update(await self._json(request, default={})))
 
     @kserve_errors
+    async def trace_setting(self, request: Request) -> Response:
+        """Triton's trace extension: GET reads the settings (global, or a model's), POST changes some (a JSON
+        null clears one: the global value, or for the global settings the one the server started with)."""
+        model = request.path_params.get("name", "")
+        trace_doors.check_model(self.registry, model)
+        changes = await self._json(request, default={}) if request.method == "POST" else {}
+        return JSONResponse(self.tracing.update(changes, model or None))
+
+    @kserve_errors
     async def load(self, request: Request) -> Response:
         body = await self._json(request, default={})
         await self.control.load(request.path_params["name"], load_parameters(body.get("parameters") or {}))
@@ -151,13 +167,26 @@ class KServeRoutes:
     @kserve_errors
     async def infer(self, request: Request) -> Response:
         arrival = time.monotonic_ns()
+        if self.tracing.active:
+            trace = self.tracing.begin(request.path_params.get("name", ""), "", arrival, request.headers)
+            if trace is not None:
+                return await trace_doors.http_unary(trace, arrival, self._infer(request, arrival, trace))
+        return await self._infer(request, arrival)
+
+    async def _infer(self, request: Request, arrival: int, trace=None) -> Response:
         mv = serving(self.registry, *_model(request), INFER)
         body = await read_body(request, self.body_limit)
+        if trace is not None:
+            trace.mark(HTTP_RECV_END)
         header, binary = tensors.split_body(body, request.headers.get("inference-header-content-length"))
         decoded = tensors.decode_infer(header, binary, self.regions)
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
         targets = self.regions.targets(decoded.placements)  # regions checked before any work
+        if trace is not None:
+            trace_doors.attach(trace, infer, mv.version)
         outputs = await mv.runner.infer(infer)
+        if trace is not None:
+            trace_doors.answered(trace, outputs)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
         data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names, targets)
         if header_length is None:

@@ -23,6 +23,7 @@ from server.metrics import FrontDoorRequests
 from server.model_control import ModelControl
 from server.repository.registry import Registry
 from server.shared_memory import SharedMemoryRegistry
+from server.tracing.control import TraceControl
 from server.web.gate import Gate
 from server.web.generate import GenerateRoutes
 from server.web.kserve import KServeRoutes
@@ -41,12 +42,12 @@ class WebOptions:
 
 def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
               logs: LogControl, control: ModelControl, server_name: str = "ferry",
-              regions: SharedMemoryRegistry | None = None):
+              regions: SharedMemoryRegistry | None = None, tracing: TraceControl | None = None):
     """`regions`: the system shared memory regions, the same registry the gRPC door serves (one set per server)."""
     regions = regions if regions is not None else SharedMemoryRegistry()
-    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions).routes()
+    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing).routes()
               + SharedMemoryRoutes(regions, options.body_limit).routes()
-              + GenerateRoutes(registry, options.body_limit).routes()
+              + GenerateRoutes(registry, options.body_limit, tracing).routes()
               + OpenAIRoutes(registry, options.body_limit).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
 
@@ -54,8 +55,9 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
 class WebServer:
     def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, access: AccessPolicy,
                  requests: FrontDoorRequests, logs: LogControl, control: ModelControl, server_name: str = "ferry",
-                 regions: SharedMemoryRegistry | None = None):
-        app = build_app(registry, health, drain, access, requests.http, options, logs, control, server_name, regions)
+                 regions: SharedMemoryRegistry | None = None, tracing: TraceControl | None = None):
+        app = build_app(registry, health, drain, access, requests.http, options, logs, control, server_name, regions,
+                        tracing)
         self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                      http="httptools", timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)

@@ -112,7 +112,7 @@ def test_by_default_http_load_and_unload_answer_what_grpc_answers_never_500(defa
     assert http(default_server, "/v2/models/simple/ready")[0] == 200
 
 
-def test_by_default_shared_memory_registration_and_log_changes_are_refused(default_server):
+def test_by_default_shared_memory_registration_log_and_trace_changes_are_refused(default_server):
     stub = kserve.stub(default_server.channel)
     err = rpc_error(stub.SystemSharedMemoryRegister,
                     pb.SystemSharedMemoryRegisterRequest(name="r", key="/ferry_never", byte_size=64))
@@ -129,6 +129,15 @@ def test_by_default_shared_memory_registration_and_log_changes_are_refused(defau
     status, answer = http(default_server, "/v2/logging", {"log_info": False})
     assert status == 403 and "--allow-log-settings" in answer["error"]
     assert http(default_server, "/v2/logging")[1]["log_info"] is True
+
+    trace = pb.TraceSettingRequest()
+    trace.settings["trace_level"].value.append("TIMESTAMPS")
+    err = rpc_error(stub.TraceSetting, trace)
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "--allow-trace-settings" in err.details()
+    assert list(stub.TraceSetting(pb.TraceSettingRequest(), timeout=30).settings["trace_level"].value) == ["OFF"]
+    status, answer = http(default_server, "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"]})
+    assert status == 403 and "--allow-trace-settings" in answer["error"]
+    assert http(default_server, "/v2/trace/setting")[1]["trace_level"] == ["OFF"]
 
 
 TRITON_LOAD = """
@@ -261,10 +270,7 @@ def test_every_restricted_grpc_category_refuses_without_its_key_and_serves_with_
     other = next(g for g in (USER, ADMIN) if g[1] != key)  # the other group's key does not open this one
     assert rpc_error(call, request, metadata=((f"triton-grpc-protocol-{other[1]}", other[2]),)).code() == \
         grpc.StatusCode.PERMISSION_DENIED
-    try:
-        call(request, metadata=((header, value),), timeout=60)
-    except grpc.RpcError as exc:  # served: only TraceSetting, which Ferry does not implement yet, may say so
-        assert category == "trace" and exc.code() == grpc.StatusCode.UNIMPLEMENTED, exc
+    call(request, metadata=((header, value),), timeout=60)  # served
 
 
 HTTP_CALLS = {  # category -> (path, body or None for GET)
@@ -273,7 +279,7 @@ HTTP_CALLS = {  # category -> (path, body or None for GET)
         {"name": n, "shape": [2, 4], "datatype": "FP32", "data": A.reshape(-1).tolist()} for n in ("INPUT0", "INPUT1")]}),
     "model-config": ("/v2/models/simple/config", None), "statistics": ("/v2/models/simple/stats", None),
     "shared-memory": ("/v2/systemsharedmemory/status", None), "model-repository": ("/v2/repository/index", {}),
-    "logging": ("/v2/logging", None),
+    "logging": ("/v2/logging", None), "trace": ("/v2/trace/setting", None),
 }
 
 

@@ -8,7 +8,8 @@ import pytest
 
 from tests.unit.test_deploy_consistency import objects, pod_spec, runtime_container
 
-OPENING_FLAGS = ("--allow-model-upload", "--allow-shared-memory", "--allow-log-settings", "--load-model",
+OPENING_FLAGS = ("--allow-model-upload", "--allow-shared-memory", "--allow-log-settings", "--allow-trace-settings",
+                 "--load-model",
                  "--poll-repository-seconds")
 CLIENT_LABEL = {"ferry.dev/client": "true"}
 MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
