@@ -80,7 +80,10 @@ class AnswerWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict) -> None:
-        data = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+        self.write_line(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
+
+    def write_line(self, text: str) -> None:
+        data = (text + "\n").encode()
         while data:
             data = data[os.write(self._fd, data):]
 
@@ -94,3 +97,13 @@ class AnswerWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class Collected:
+    """An AnswerWriter's stand-in that keeps the lines (a Ray actor returns them to the driver, which writes)."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def write(self, record: dict) -> None:
+        self.lines.append(json.dumps(record, ensure_ascii=False, separators=(",", ":")))
