@@ -1,8 +1,8 @@
 """`ferry batch -i INPUT.jsonl -o OUTPUT.jsonl (--model-repository REPO | --url URL) [--ray [ADDRESS]]`.
 
 Exit status: 0 every request answered (HTTP errors included: each is an answer in OUTPUT), 1 some
-got no answer (a remote server unreachable; rerun to retry them), 2 the command line, INPUT or
-OUTPUT is wrong (nothing run, OUTPUT untouched).
+got no answer (a 503 that persisted, a remote server unreachable; rerun to retry them), 2 the command
+line, INPUT or OUTPUT is wrong (nothing run, OUTPUT untouched), 130 interrupted (rerun to finish).
 """
 
 from __future__ import annotations
@@ -65,14 +65,20 @@ def main(args) -> int:
         return 2
     drop_torn(args.output, kept)
     tally = Tally(total=count - already, skipped=already)
-    if tally.total == 0:
-        pass  # everything is answered already: no model to load
-    elif args.ray is not None:
-        from server.batch.ray_run import run_on_ray
+    try:
+        if tally.total == 0:
+            pass  # everything is answered already: no model to load
+        elif args.ray is not None:
+            from server.batch.ray_run import run_on_ray
 
-        run_on_ray(args, done, tally)
-    else:
-        event_loop.run(_run_here(args, done, tally), args.event_loop)
+            run_on_ray(args, done, tally)
+        else:
+            event_loop.run(_run_here(args, done, tally), args.event_loop)
+    except KeyboardInterrupt:
+        Progress(tally).summary(args.output)
+        print(f"ferry batch: interrupted; run the same command again to answer the rest into {args.output}",
+              file=sys.stderr)
+        return 130
     Progress(tally).summary(args.output)
     return 1 if tally.unanswered else 0
 
@@ -88,6 +94,8 @@ def _flag_problem(args) -> str | None:
         return f"--ray-actors must be 1 or more, got {args.ray_actors}"
     if args.output.is_dir():
         return f"--output {args.output} is a folder; give a file"
+    if not args.output.absolute().parent.is_dir():
+        return f"--output {args.output}: the folder {args.output.absolute().parent} does not exist"
     if args.input.resolve() == args.output.resolve():
         return "--input and --output are the same file"
     return None

@@ -49,6 +49,6 @@ class LocalEngine:
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
         return await asgi.call(self.app, "POST", path, body)
 
-    async def __aexit__(self, *exc) -> None:
-        await self.engine.close(CLOSE_GRACE_S)
+    async def __aexit__(self, exc_type, *exc) -> None:
+        await self.engine.close(0.0 if exc_type is not None else CLOSE_GRACE_S)  # interrupted: cut off at once
 

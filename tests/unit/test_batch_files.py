@@ -110,3 +110,26 @@ def test_run_lines_bounds_in_flight_and_writes_each_answer():
     written = [json.loads(text) for text in collected.lines]
     assert sorted(r["custom_id"] for r in written) == sorted([*(f"r{i}" for i in range(10)), "missing"])
     assert (tally.ok, tally.refused, tally.unanswered, tally.completion_tokens) == (10, 1, 1, 20)
+
+
+class Flaky:
+    """503 (a full queue, say) for the first `fails` calls of each custom_id."""
+
+    def __init__(self, fails: dict[str, int]):
+        self.fails, self.calls = fails, {}
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        key = json.loads(body)["prompt"]
+        self.calls[key] = self.calls.get(key, 0) + 1
+        return (503, b'{"error": "queue full"}') if self.calls[key] <= self.fails[key] else (200, b"{}")
+
+
+def test_a_503_is_retried_and_never_written_as_an_answer(monkeypatch):
+    from server.batch import run
+
+    monkeypatch.setattr(run, "RETRY_BACKOFF_S", (0.0, 0.0))
+    lines = [Line(1, "passes", "/v1/completions", {"prompt": "a"}), Line(2, "stays", "/v1/completions", {"prompt": "b"})]
+    sender, collected, tally = Flaky({"a": 2, "b": 99}), Collected(), Tally(2)
+    asyncio.run(run_lines(sender, lines, collected, tally))
+    assert [json.loads(text)["custom_id"] for text in collected.lines] == ["passes"]
+    assert sender.calls == {"a": 3, "b": 3} and (tally.ok, tally.unanswered) == (1, 1)
