@@ -7,6 +7,7 @@ line, INPUT or OUTPUT is wrong (nothing run, OUTPUT untouched), 130 interrupted 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
@@ -90,6 +91,8 @@ def _flag_problem(args) -> str | None:
         return f"--model-repository {args.model_repository} is not a folder"
     if args.ray is not None and args.model_repository is None:
         return "--ray runs in-process engines in its actors: it needs --model-repository"
+    if args.ray is not None and importlib.util.find_spec("ray") is None:
+        return "--ray needs Ray Data: pip install 'ferry-serve[ray]' (or pip install 'ray[data]')"
     if args.ray_actors < 1:
         return f"--ray-actors must be 1 or more, got {args.ray_actors}"
     if args.output.is_dir():
