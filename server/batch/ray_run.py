@@ -72,6 +72,7 @@ def run_on_ray(args, done: set[str], tally: Tally) -> None:
                     record = json.loads(text)
                     tally.add(record["response"]["status_code"], record["response"]["body"])
                 progress()
+        tally.unanswered = tally.total - tally.ok - tally.refused  # lines an actor left for the rerun (a lasting 503)
     finally:
         ray.shutdown()
 
