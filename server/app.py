@@ -75,7 +75,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     health = ServerHealth()
     log.info("event loop: %s", loop_name(asyncio.get_running_loop()))
     engine = build_engine(config)
-    registry, prom = engine.registry, engine.prom
+    registry, prom, loop_load = engine.registry, engine.prom, engine.loop_load
     gate = DrainGate()
     grpc_access = AccessPolicy(config.tokens, restriction_table(list(config.grpc_restricted), GRPC_HEADER_PREFIX))
     http_access = AccessPolicy(config.tokens, restriction_table(list(config.http_restricted)))
@@ -129,7 +129,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     health.ready = False
     await _drain(config, _Doors(gate, rpc, web, http, group), registry, watcher)
     regions.close()  # no gRPC call is left to use them
-    engine.loop_load.close()
+    loop_load.close()
     print("ferry: stopped", flush=True)
     return 1 if group is not None and group.failed else 0
 
