@@ -87,6 +87,8 @@ def main(args) -> int:
 def _flag_problem(args) -> str | None:
     if args.max_in_flight < 1:
         return f"--max-in-flight must be 1 or more, got {args.max_in_flight}"
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        return f"--url takes the server's HTTP address, http://HOST:PORT or https://HOST:PORT; got {args.url!r}"
     if args.model_repository is not None and not args.model_repository.is_dir():
         return f"--model-repository {args.model_repository} is not a folder"
     if args.ray is not None and args.model_repository is None:

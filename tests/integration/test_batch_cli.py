@@ -5,6 +5,7 @@ invalid files refused whole; bad bodies answered in place; a SIGKILLed run resum
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -197,6 +198,17 @@ def test_url_sends_the_same_lines_to_a_running_server(env, tmp_path):
     again = ferry_batch("-i", source, "-o", there, "--url", server.http_url)  # resumed: nothing left to send
     assert again.returncode == 0 and f"{len(LINES)} already in {there}" in again.stderr
     assert len(records(there)) == len(LINES)
+
+
+def test_url_with_no_server_answering_writes_nothing_and_exits_1(tmp_path):
+    source = write_jsonl(tmp_path / "input.jsonl", LINES[:3])
+    output = tmp_path / "output.jsonl"
+    with socket.socket() as bound:  # bound, not listening: connections are refused, and no one else gets the port
+        bound.bind(("127.0.0.1", 0))
+        done = ferry_batch("-i", source, "-o", output, "--url", f"http://127.0.0.1:{bound.getsockname()[1]}")
+    assert done.returncode == 1, done.stderr
+    assert "3 unanswered" in done.stderr and "left for a rerun" in done.stderr
+    assert output.read_bytes() == b""
 
 
 INVALID = [
