@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from clients.cli import add_client_commands
+from server.batch.cli import add_batch_command
 from server import __version__, event_loop
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.tokens import Tokens, read_tokens
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     add_client_commands(sub)  # models, health, infer, generate, perf
+    add_batch_command(sub)  # batch: a file of requests, in-process, remote or on Ray
     args = parser.parse_args(argv)
     if args.command != "serve":
         raise SystemExit(args.run(args))

@@ -8,33 +8,29 @@ import signal
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, disable_created_metrics
+from prometheus_client import CollectorRegistry
 
 from server import heap
-from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
+from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
+from server.engine import build_engine
 from server.event_loop import AUTO as AUTO_LOOP
 from server.event_loop import name as loop_name
 from server.exposition import MetricsServer
 from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
-from server.generation_metrics import GenerationFamilies
 from server.log_settings import LogControl
-from server.loop_load import LoopLoad
-from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsCollector, TraceCollector
+from server.metrics import FrontDoorRequests, TraceCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
-from server.response_cache import ResponseCache
 from server.access import GRPC_HEADER_PREFIX, AccessPolicy, Restriction, restriction_table
 from server.model_control import ModelControl
 from server.rpc.auth import AccessCheck
-from server.tokens import Tokens
 from server.rpc.drain import DrainGate
 from server.rpc.generate_servicer import GenerationServicer, generation_service
 from server.rpc.server import RpcOptions, RpcServer, inference_service
 from server.rpc.servicer import InferenceServicer
-from server.runners.factory import RunnerFactory
-from server.scheduling.budget import ByteBudget
 from server.shared_memory import SharedMemoryRegistry
 from server.tracing.control import TraceControl
+from server.tokens import Tokens
 from server.tracing.settings import OPENTELEMETRY, TraceSettings
 from server.web.server import WebOptions, WebServer
 
@@ -78,38 +74,14 @@ class ServerHealth:
     ready: bool = False
 
 
-def byte_budgets(config: ServerConfig) -> tuple[ByteBudget, int]:
-    """The server's byte budget and each model version's limit within it, defaults resolved once."""
-    server = max_queued_bytes() if config.max_queued_bytes is None else config.max_queued_bytes
-    model = max_model_queued_bytes(server) if config.max_model_queued_bytes is None else config.max_model_queued_bytes
-    log.info("queued request data bounded at %s for the server, %s per model version",
-             _limit(server), _limit(model))
-    return ByteBudget(server, "the server"), model
-
-
-def _limit(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.1f} MiB" if nbytes else "no limit"
-
-
 async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int:
     """Serve until SIGINT/SIGTERM, then drain: refuse new work, finish admitted work, exit.
 
     Returns the exit status: 1 when front-end processes kept dying and the server stopped itself."""
     health = ServerHealth()
-    disable_created_metrics()  # `_created` series double the page and no dashboard reads them
-    prom = CollectorRegistry()
-    server_budget, model_bytes = byte_budgets(config)
     log.info("event loop: %s", loop_name(asyncio.get_running_loop()))
-    loop_load = LoopLoad(asyncio.get_running_loop())  # the front end's load, for adaptive windows and /metrics
-    cache = ResponseCache(config.response_cache_bytes) if config.response_cache_bytes else None
-    if cache is not None:
-        log.info("response cache: %.1f MiB for models with response_cache enabled", cache.capacity / 2**20)
-        prom.register(CacheCollector(cache))
-    factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes,
-                            loop_load=loop_load, response_cache=cache)
-    registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
-    factory.models.bind(registry.get)  # ensembles find their step models at call time
-    prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))
+    engine = build_engine(config)
+    registry, prom, loop_load = engine.registry, engine.prom, engine.loop_load
     gate = DrainGate()
     grpc_access = AccessPolicy(config.tokens, restriction_table(list(config.grpc_restricted), GRPC_HEADER_PREFIX))
     http_access = AccessPolicy(config.tokens, restriction_table(list(config.http_restricted)))
@@ -143,9 +115,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
         metrics_host = config.metrics_host or config.rpc.host
         http = MetricsServer(prom, metrics_host, config.metrics_port)
         print(f"ferry: serving metrics on http://{metrics_host}:{http.port}/metrics", flush=True)
-    explicit = config.model_control_mode == "explicit"
-    everything = not explicit or "*" in (config.load_models or ())  # Triton: `--load-model '*'` loads all
-    await registry.load_all(None if everything else config.load_models or frozenset())
+    await engine.load(config)
     heap.park()
     health.ready = True
     await rpc.set_serving(True)

@@ -39,3 +39,16 @@ def test_the_registry_imports_no_runner_worker_scheduler_or_metrics_class():
     runtime = text.split("if TYPE_CHECKING:")[0]  # type-only imports name the protocol, nothing else
     for module in ("server.runners", "server.worker", "server.scheduling", "server.metrics", "server.generation_metrics"):
         assert f"from {module}" not in runtime and f"import {module}" not in runtime, module
+
+
+def test_batch_reaches_the_http_door_only_through_its_app():
+    """`ferry batch` must answer with the HTTP API's own translation: it may build the door's app, never
+    encode answers itself or call runners or handlers around it."""
+    sources = _sources("batch")
+    assert len(sources) >= 8
+    for path, text in sources.items():
+        imports = re.findall(r"^\s*(?:from|import) (server\.[\w.]+)", text, re.M)
+        for module in imports:
+            assert not module.startswith(("server.runners", "server.frontdoor", "server.rpc")), f"{path.name}: {module}"
+            assert not module.startswith("server.web") or module == "server.web.server", f"{path.name}: {module}"
+    assert "build_app" in (ROOT / "server" / "batch" / "local.py").read_text()
