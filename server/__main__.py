@@ -37,36 +37,6 @@ def _serve_parser(sub) -> None:
                    help="hot reload: poll the repository this often and (re)load changed models (0: off)")
     p.add_argument("--drain-grace-seconds", type=float, default=DRAIN_GRACE_S,
                    help="how long shutdown, unload and reload wait for admitted work")
-    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key) to serve TLS")
-    p.add_argument("--tls-key", type=Path, help="PEM private key")
-    p.add_argument("--tls-ca", type=Path,
-                   help="PEM CA: require client certificates signed by it (mutual TLS; needs --tls-cert/--tls-key)")
-    p.add_argument("--auth-token-file", type=Path,
-                   help="file of bearer tokens (one a line) for inference; also env FERRY_AUTH_TOKEN (comma-separated)")
-    p.add_argument("--admin-token-file", type=Path,
-                   help="file of bearer tokens for model control (load/unload) and inference; also env FERRY_ADMIN_TOKEN")
-    p.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
-    p.add_argument("--server-name", default="ferry",
-                   help="name ServerMetadata reports (\"triton\" for clients that check it)")
-    p.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
-                   help="as Triton's: none (the default: load all, refuse load/unload), poll (none + reload what "
-                        "changes in the repository), explicit (load only --load-model, load/unload RPCs allowed)")
-    p.add_argument("--allow-model-upload", action="store_true",
-                   help="explicit mode: let a load carry model files (`file:` parameters), which can run code on this "
-                        "server; off by default (needs the admin token when tokens are set)")
-    p.add_argument("--allow-shared-memory", action="store_true",
-                   help="let clients register system shared-memory regions (maps files from /dev/shm into this "
-                        "process); off by default")
-    p.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
-                   help="as Triton's: gRPC calls in these categories (health, metadata, inference, shared-memory, "
-                        "model-config, model-repository, statistics, trace, logging) need the metadata "
-                        "triton-grpc-protocol-KEY: VALUE (repeatable, one group per category)")
-    p.add_argument("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
-                   help="as Triton's: HTTP calls in these categories need the header KEY: VALUE (repeatable)")
-    p.add_argument("--allow-log-settings", action="store_true",
-                   help="let clients change what the server logs (LogSettings, POST /v2/logging); off by default")
-    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
-                   help="explicit mode: load this model at start (repeatable; '*' loads all)")
     p.add_argument("--frontend-processes", type=int, default=1,
                    help="processes that serve gRPC on the port (SO_REUSEPORT) and decode/encode ModelInfer, handing "
                         "tensors to this process through shared memory; 1: this process serves gRPC itself")
@@ -83,8 +53,41 @@ def _serve_parser(sub) -> None:
                    help="as Triton's (repeatable): level=TIMESTAMPS|TENSORS|OFF, rate=N (one request in N), count=N "
                         "(-1: no limit), mode=triton|opentelemetry, triton,file=PATH, triton,log-frequency=N, "
                         "opentelemetry,url=URL, opentelemetry,resource=KEY=VALUE; see docs/observability.md")
-    p.add_argument("--allow-trace-settings", action="store_true",
-                   help="let clients change the trace settings (TraceSetting, POST /v2/trace/setting); off by default")
+    p.add_argument("--tls-cert", type=Path, help="PEM certificate chain (with --tls-key) to serve TLS")
+    p.add_argument("--tls-key", type=Path, help="PEM private key")
+    p.add_argument("--tls-ca", type=Path,
+                   help="PEM CA: require client certificates signed by it (mutual TLS; needs --tls-cert/--tls-key)")
+    p.add_argument("--auth-token-file", type=Path,
+                   help="file of bearer tokens (one a line) for inference; also env FERRY_AUTH_TOKEN (comma-separated)")
+    p.add_argument("--admin-token-file", type=Path,
+                   help="file of bearer tokens for model control (load/unload) and inference; also env FERRY_ADMIN_TOKEN")
+    p.add_argument("--metrics-host", help="address the metrics endpoint binds (default: --host)")
+    p.add_argument("--server-name", default="ferry",
+                   help="name ServerMetadata reports (\"triton\" for clients that check it)")
+    access = p.add_argument_group(
+        "access", "what clients may do beyond inference (model control, uploads, shared memory, log and trace "
+                  "settings: all off by default) and Triton's restricted categories; see docs/security.md")
+    access.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
+                        help="as Triton's: none (the default: load all, refuse load/unload), poll (none + reload what "
+                             "changes in the repository), explicit (load only --load-model, load/unload RPCs allowed)")
+    access.add_argument("--allow-model-upload", action="store_true",
+                        help="explicit mode: let a load carry model files (`file:` parameters), which can run code on this "
+                             "server; off by default (needs the admin token when tokens are set)")
+    access.add_argument("--allow-shared-memory", action="store_true",
+                        help="let clients register system shared-memory regions (maps files from /dev/shm into this "
+                             "process); off by default")
+    access.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+                        help="as Triton's: gRPC calls in these categories (health, metadata, inference, shared-memory, "
+                             "model-config, model-repository, statistics, trace, logging) need the metadata "
+                             "triton-grpc-protocol-KEY: VALUE (repeatable, one group per category)")
+    access.add_argument("--http-restricted-api", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
+                        help="as Triton's: HTTP calls in these categories need the header KEY: VALUE (repeatable)")
+    access.add_argument("--allow-log-settings", action="store_true",
+                        help="let clients change what the server logs (LogSettings, POST /v2/logging); off by default")
+    access.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                        help="explicit mode: load this model at start (repeatable; '*' loads all)")
+    access.add_argument("--allow-trace-settings", action="store_true",
+                        help="let clients change the trace settings (TraceSetting, POST /v2/trace/setting); off by default")
     p.add_argument("--log-level", default="INFO")
 
 
