@@ -14,12 +14,13 @@ from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS, max_model_queued_bytes, max_queued_bytes
 from server.event_loop import AUTO as AUTO_LOOP
 from server.event_loop import name as loop_name
+from server.custom_metrics import CustomMetrics
 from server.exposition import MetricsServer
 from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
 from server.generation_metrics import GenerationFamilies
 from server.log_settings import LogControl
 from server.loop_load import LoopLoad
-from server.metrics import CacheCollector, FrontDoorRequests, Histograms, StatsCollector
+from server.metrics import CacheCollector, FrontDoorRequests, Histograms, ModelProcessRestarts, StatsCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
 from server.response_cache import ResponseCache
@@ -99,14 +100,18 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     if cache is not None:
         log.info("response cache: %.1f MiB for models with response_cache enabled", cache.capacity / 2**20)
         prom.register(CacheCollector(cache))
+    custom_metrics = CustomMetrics()  # what Python models declare with pb_utils.MetricFamily
+    prom.register(custom_metrics)
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget, model_bytes,
-                            loop_load=loop_load, response_cache=cache)
+                            loop_load=loop_load, response_cache=cache, restarts=ModelProcessRestarts(prom),
+                            custom_metrics=custom_metrics)
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
     factory.models.bind(registry.get)  # ensembles find their step models at call time
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))
     gate = DrainGate()
     interceptors = [TokenAuth(config.tokens), gate] if config.tokens.enabled else [gate]
     refused = CONTROL_REFUSED if config.model_control_mode in ("none", "poll") else ""
+    factory.control.bind(registry, refused)  # pb_utils.load_model / unload_model, under the same mode
     regions = SharedMemoryRegistry()  # system shared memory regions clients register; released at shutdown
     stop = asyncio.Event()
     group, rpc_options = None, config.rpc

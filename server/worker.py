@@ -19,7 +19,7 @@ from server.signature import Signature
 
 @dataclass(slots=True)
 class BatchResult:
-    outputs: list[dict[str, np.ndarray]]  # one per request, in batch order
+    outputs: list[dict[str, np.ndarray] | FerryError]  # one per request, in batch order; an error fails that one
     input_ns: int
     infer_ns: int
     output_ns: int
@@ -51,7 +51,10 @@ class Worker:
         done = loop.create_future()
         t0 = time.monotonic_ns()
         try:
-            inputs, pad_count = self.assembler.gather(batch)
+            if getattr(self.backend, "per_request", False):  # the backend answers each request alone
+                inputs, pad_count = None, PadCount()
+            else:
+                inputs, pad_count = self.assembler.gather(batch)
             self._thread.submit(self._run, loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             done.set_exception(exc)
@@ -69,6 +72,8 @@ class Worker:
             pass
 
     def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int) -> BatchResult:
+        if inputs is None:
+            return self._execute_requests(batch, input_ns)
         t1 = time.monotonic_ns()
         try:
             reshape = self.signature.reshape
@@ -84,9 +89,30 @@ class Worker:
         split = self.assembler.split(batch, outputs)
         return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count)
 
-    def _check(self, outputs: dict[str, np.ndarray]) -> None:
-        for name, spec in self.signature.outputs.items():
-            value = outputs.get(name)
+    def _execute_requests(self, batch: Batch, input_ns: int) -> BatchResult:
+        """A backend that takes the batch's requests as they came (Triton's Python models) answers each
+        alone: an error or a malformed answer fails its own request, never the others."""
+        reshape = self.signature.reshape
+        t1 = time.monotonic_ns()
+        answers = self.backend.execute_requests(
+            batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs for r in batch.requests])
+        t2 = time.monotonic_ns()
+        if len(answers) != len(batch.requests):
+            raise BackendError(f"model '{self.signature.model}' answered {len(answers)} of {len(batch.requests)} requests")
+        checked = []
+        for request, answer in zip(batch.requests, answers):
+            if not isinstance(answer, FerryError):
+                try:
+                    answer = reshape.outputs(answer, self.signature.model) if reshape else answer
+                    self._check(answer, request.requested_outputs)
+                except FerryError as exc:
+                    answer = exc
+            checked.append(answer)
+        return BatchResult(checked, input_ns, t2 - t1, time.monotonic_ns() - t2)
+
+    def _check(self, outputs: dict[str, np.ndarray], names: tuple[str, ...] = ()) -> None:
+        for name in names or self.signature.outputs:
+            spec, value = self.signature.outputs[name], outputs.get(name)
             if value is None:
                 raise BackendError(f"model '{self.signature.model}' did not produce output '{name}'")
             if spec.datatype.api != "BYTES" and value.dtype != spec.datatype.numpy:
@@ -96,6 +122,11 @@ class Worker:
                 )
 
     def close(self) -> None:
+        """After the drain grace: a backend that can end a run in flight (a model process) does, so the
+        thread's shutdown never waits on a model that does not return."""
+        interrupt = getattr(self.backend, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
         self._thread.shutdown(wait=True)
         self.backend.unload()
 

@@ -247,11 +247,14 @@ class ModelRunner(RunnerBase):
                                     result.padding.padded, result.padding.computed, part.bucket)
             if self._order is None:  # nothing to keep in order: set each answer now, no closure per request
                 for request, outputs in zip(part.requests, result.outputs):
-                    if not request.future.done():
+                    if isinstance(outputs, FerryError):  # a backend that answers requests alone failed this one
+                        self._fail(request, outputs)
+                    elif not request.future.done():
                         request.future.set_result(outputs)
             else:
                 for request, outputs in zip(part.requests, result.outputs):
-                    self._finish(request, _setter(request, outputs))
+                    self._finish(request, _setter(request, error=outputs) if isinstance(outputs, FerryError)
+                                 else _setter(request, outputs))
         for request, error in outcome.failed:
             if not outcome.reruns:
                 log.warning("model '%s' request failed: %s", self.name, error.message)

@@ -75,7 +75,7 @@ class DecoupledRunner(RunnerBase):
             loop.call_soon_threadsafe(responses.put_nowait, item)
 
         started = time.monotonic_ns()
-        running = loop.run_in_executor(self._threads[instance], self._produce, instance, request.inputs, put, stop)
+        running = loop.run_in_executor(self._threads[instance], self._produce, instance, request, put, stop)
         running.add_done_callback(lambda _: self._idle.put_nowait(instance))  # free once its thread is
         try:
             while (item := await responses.get()) is not _DONE:
@@ -83,14 +83,22 @@ class DecoupledRunner(RunnerBase):
                     raise item
                 yield item
         finally:
-            stop.set()
+            self._stop(instance, stop)
             self._stops.discard(stop)
         self.stats.record_batch(request.batch_size, 1, 0, time.monotonic_ns() - started, 0)
 
-    def _produce(self, instance: int, inputs: dict[str, np.ndarray], put, stop: threading.Event) -> None:
+    def _stop(self, instance: int, stop: threading.Event) -> None:
+        """The stream is over for its caller: stop the generator, and tell the model (is_cancelled())."""
+        if not stop.is_set():
+            stop.set()
+            cancel = getattr(self.backends[instance], "cancel", None)
+            if cancel is not None:
+                cancel()
+
+    def _produce(self, instance: int, request: InferRequest, put, stop: threading.Event) -> None:
         """On the instance's thread: run the generator, hand each response to the loop."""
         try:
-            for outputs in self.backends[instance].responses(inputs):
+            for outputs in self.backends[instance].responses(request, stop):
                 if stop.is_set():
                     return
                 put(self._checked(outputs))
@@ -126,6 +134,10 @@ class DecoupledRunner(RunnerBase):
     async def _shutdown(self) -> None:
         for stop in list(self._stops):  # past the grace period: generators stop at their next response
             stop.set()
+        for backend in self.backends:  # ... and a model that sends none is ended (its process killed)
+            interrupt = getattr(backend, "interrupt", None)
+            if interrupt is not None:
+                interrupt()
         for thread, backend in zip(self._threads, self.backends):
             await asyncio.to_thread(thread.shutdown, True)
             await asyncio.to_thread(backend.unload)

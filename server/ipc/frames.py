@@ -1,17 +1,21 @@
-"""Small framed messages over a unix stream socket: the front end <-> engine link.
+"""Small framed messages over a unix stream socket: the links between Ferry's own processes.
 
-A frame is a 4-byte little-endian length and a pickled tuple. Writes made during one turn of the
+Two users, one format: the front end <-> engine link (`FrameLink`, an asyncio protocol) and a Python
+model process <-> its instance in the server (`FrameSocket`, blocking, for threads). A frame is a
+4-byte little-endian length and a pickled tuple. Writes made during one turn of the
 event loop go out as one `write` at its end, and a read parses every complete frame it received, so
 under load one system call carries many requests or answers: the link costs a few microseconds a
 request, far less than a second gRPC hop. Both ends are Ferry's own processes (the socket lives in a
-private 0700 folder), so unpickling is safe here.
+private 0700 folder, or a socketpair made at spawn), so unpickling is safe here.
 """
 
 from __future__ import annotations
 
 import asyncio
 import pickle
+import socket
 import struct
+import threading
 
 _LENGTH = struct.Struct("<I")
 
@@ -68,3 +72,51 @@ class FrameLink(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def pack(frame: tuple) -> bytes:
+    data = pickle.dumps(frame, protocol=5)
+    return _LENGTH.pack(len(data)) + data
+
+
+class FrameSocket:
+    """A blocking end of a link, for threads: any thread may send (one lock), one thread receives.
+
+    `recv` blocks in the kernel with the GIL released, so a thread waiting for a model process costs
+    the event loop nothing."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._lock = threading.Lock()
+        self._buffer = bytearray()
+
+    def send(self, frame: tuple) -> None:
+        data = pack(frame)
+        with self._lock:
+            self.sock.sendall(data)
+
+    def recv(self) -> tuple | None:
+        """The next frame, or None once the other end has closed (EOF)."""
+        buffer = self._buffer
+        while True:
+            if len(buffer) >= 4:
+                (size,) = _LENGTH.unpack_from(buffer, 0)
+                if len(buffer) - 4 >= size:
+                    frame = pickle.loads(memoryview(buffer)[4 : 4 + size])
+                    del buffer[: 4 + size]
+                    return frame
+            try:
+                chunk = self.sock.recv(max(1 << 16, 4 + _LENGTH.unpack_from(buffer, 0)[0] - len(buffer))
+                                       if len(buffer) >= 4 else 1 << 16)
+            except OSError:
+                return None
+            if not chunk:
+                return None
+            buffer += chunk
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()

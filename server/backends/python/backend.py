@@ -1,0 +1,218 @@
+"""Python backend: a `model.py` in the version folder, run in a process of its own per instance.
+
+Two faces, one backend (server/backends/python/faces.py): Triton's `class TritonPythonModel` with
+`import triton_python_backend_utils as pb_utils`, and Ferry's short `class Model` whose `execute`
+takes and returns dicts of arrays. Each instance is one model process (process.py, child.py), so a
+model that spins in pure Python, crashes or hangs costs only its own requests: the instance thread
+here blocks on the process's answer with the GIL released; a dead process fails its in-flight
+requests UNAVAILABLE with the cause and is started again (initialize runs again) on the next call,
+counted in `ferry_model_process_restarts_total`.
+
+Triton's execute gets the batch's requests, each with its own tensors, and answers each alone
+(`per_request`: the worker calls `execute_requests`); Ferry's `class Model` gets them joined along
+dim 0, one call per batch, as before. Every load starts fresh processes, so an edited model.py takes
+effect on RepositoryModelLoad or a repository poll.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+from google.protobuf import json_format
+
+from protos import model_config_pb2 as mc
+from server.backends.base import Backend, Device, parameter
+from server.backends.python import protocol as p
+from server.backends.python.faces import defines_auto_complete
+from server.backends.python.process import ModelProcess, ProcessDied
+from server.errors import (AlreadyExistsError, BackendError, ConfigError, FerryError, InvalidInputError,
+                           ModelNotFoundError, ModelUnavailableError, UnsupportedError)
+from server.request import InferRequest
+
+log = logging.getLogger(__name__)
+ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
+FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
+_ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
+           p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError}
+
+
+class PythonBackend(Backend):
+    name = "python"
+    default_filename = "model.py"
+
+    def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
+        super().__init__(config, model_path, device)
+        self.process: ModelProcess | None = None
+        self.face = ""
+        self.calls = None  # the server's side of BLS, model control and metrics (server/runners/model_calls.py)
+        self._restart_lock = threading.Lock()
+        self._busy = False  # a call is in flight: unloading kills rather than waits for finalize
+        self._streaming: tuple[ModelProcess, int] | None = None  # the decoupled call running now
+
+    @property
+    def per_request(self) -> bool:
+        return self.face == p.TRITON
+
+    @classmethod
+    def complete_config(cls, config: mc.ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
+        """Triton's auto_complete_config, run in a short-lived process of its own (as Triton does)."""
+        if not model_path.is_file() or not defines_auto_complete(model_path):
+            return
+        process = ModelProcess(config.name, 0, 0, lambda: None)
+        process.start()
+        try:
+            answer = process.ask(p.AUTO, str(model_path), json_format.MessageToJson(config, preserving_proto_field_name=True))
+        except ProcessDied as exc:
+            raise ConfigError(f"{config.name}: auto_complete_config: {exc}") from exc
+        finally:
+            process.stop(FINALIZE_S)
+        if answer[0] == p.FAILED:
+            raise ConfigError(f"{config.name}: auto_complete_config failed: {answer[1]}")
+        completed = mc.ModelConfig()
+        try:
+            json_format.ParseDict(json.loads(answer[1]), completed)
+        except json_format.ParseError as exc:
+            raise ConfigError(f"{config.name}: auto_complete_config returned a config Ferry cannot read: {exc}") from exc
+        config.CopyFrom(completed)
+
+    def load(self) -> None:
+        if parameter(self.config, "EXECUTION_ENV_PATH") is not None:
+            raise ConfigError(f"model '{self.config.name}': parameter EXECUTION_ENV_PATH (a conda-pack environment) is "
+                              "not supported: Ferry runs model.py with the server's own Python; install the model's "
+                              "packages there instead")
+        if self.device.kind != "cpu":
+            raise ConfigError(f"model '{self.config.name}': Ferry's Python backend hands tensors to model.py on the "
+                              "host only; use instance_group kind KIND_CPU (model code may still move them to a GPU)")
+        self.process = self._start()
+
+    def _start(self) -> ModelProcess:
+        process = ModelProcess(self.config.name, self.version, ARENA_BYTES, lambda: self.calls)
+        process.start()
+        try:
+            answer = process.ask(p.INIT, self._args())
+        except ProcessDied as exc:
+            process.kill()
+            raise ModelUnavailableError(f"model '{self.config.name}': {exc} during initialize") from exc
+        if process.arena is not None:
+            process.arena.unlink()  # both processes map it now: nothing is left in /dev/shm whatever happens
+        if answer[0] == p.FAILED:
+            process.stop(0)
+            raise ConfigError(f"model '{self.config.name}' failed to initialize: {answer[1]}")
+        self.face = answer[1]
+        return process
+
+    @property
+    def version(self) -> int:
+        return int(self.model_path.parent.name) if self.model_path.parent.name.isdigit() else 0
+
+    def _args(self) -> dict:
+        config = json_format.MessageToDict(self.config, preserving_proto_field_name=True)
+        return {
+            "model_config": json.dumps(config), "model_instance_kind": "CPU",
+            "model_instance_device_id": str(self.device.index), "model_instance_name": f"{self.config.name}_{self.instance}",
+            "model_repository": str(self.model_path.parent.parent), "model_version": str(self.version),
+            "model_name": self.config.name,
+            "ferry_model_path": str(self.model_path), "ferry_config": config, "ferry_version_dir": str(self.model_path.parent),
+            "ferry_device": str(self.device), "ferry_instance": self.instance,
+        }
+
+    def _alive(self) -> ModelProcess:
+        """The model's process, started again if it died since the last call."""
+        with self._restart_lock:
+            if self.process is None or self.process.death is not None:
+                cause = self.process.death if self.process is not None else "it was not running"
+                self.process = self._start()
+                log.warning("model '%s': started a new model process (pid %d): %s", self.config.name,
+                            self.process.pid, cause)
+                if self.calls is not None:
+                    self.calls.restarted(self.config.name, self.version)
+            return self.process
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Ferry's `class Model`: the batch joined, one execute."""
+        process = self._alive()
+        request = p.Request("", [process.put(n, a) for n, a in inputs.items()], (), {})
+        del inputs
+        reply = self._ask(process, [request])
+        if isinstance(reply[0], FerryError):
+            raise reply[0]
+        return reply[0]
+
+    def execute_requests(self, requests: list[InferRequest],
+                         inputs: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | FerryError]:
+        """Triton's execute: the batch's requests as they came, one answer (or error) each."""
+        process = self._alive()
+        sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
+        del inputs
+        return self._ask(process, sent)
+
+    def _ask(self, process: ModelProcess, sent: list[p.Request]) -> list:
+        self._busy = True
+        try:
+            replies = process.ask(p.EXEC, sent)
+        except ProcessDied as exc:
+            return [ModelUnavailableError(str(exc))] * len(sent)
+        finally:
+            self._busy = False
+        return [self._outputs(process, reply) for reply in replies]
+
+    def responses(self, request: InferRequest, stop: threading.Event):
+        """A decoupled request: its responses (dicts of outputs) as the model sends them."""
+        process = self._alive()
+        call, answers = process.stream(self._request(process, request, request.inputs))
+        self._busy, self._streaming = True, (process, call)
+        try:
+            for reply, _final in answers:
+                if stop.is_set():
+                    return
+                if reply is None:
+                    continue
+                outputs = self._outputs(process, reply)
+                if isinstance(outputs, FerryError):
+                    raise outputs
+                yield outputs
+        except ProcessDied as exc:
+            raise ModelUnavailableError(str(exc)) from exc
+        finally:
+            self._busy, self._streaming = False, None
+
+    def cancel(self) -> None:
+        """The caller of the stream running now went away: the model's is_cancelled() turns true."""
+        streaming = self._streaming
+        if streaming is not None:
+            streaming[0].cancel(streaming[1])
+
+    def _request(self, process: ModelProcess, request: InferRequest, inputs: dict[str, np.ndarray]) -> p.Request:
+        params = request.parameters
+        correlation = params.get("sequence_id", 0) if params else 0
+        flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0) if params else 0
+        return p.Request(request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
+                         dict(params) if params else {}, correlation, flags)
+
+    def _outputs(self, process: ModelProcess, reply: p.Reply) -> dict[str, np.ndarray] | FerryError:
+        if reply.error is not None:
+            code, message = reply.error
+            return _ERRORS.get(code, BackendError)(message)
+        return {t.name: process.view(t) for t in reply.outputs}
+
+    def interrupt(self) -> None:
+        """The drain grace is over: a call still in flight will not end well, so end its process now."""
+        if self._busy and self.process is not None:
+            log.warning("model '%s': its process (pid %d) was still running a request when the drain grace ran "
+                        "out; killed", self.config.name, self.process.pid)
+            self.process.kill()
+
+    def unload(self) -> None:
+        if self.process is not None:
+            self.process.stop(0 if self._busy else FINALIZE_S)
+            self.process = None
+
+    def describe(self) -> dict[str, str]:
+        facts = {"device": str(self.device)}
+        if self.process is not None and self.process.pid is not None:
+            facts["process"] = str(self.process.pid)
+        return facts

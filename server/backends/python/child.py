@@ -1,0 +1,275 @@
+"""A model process: `python -m server.backends.python.child FD ARENA_PATH ARENA_BYTES`.
+
+It imports the model.py it is told to, exposes `triton_python_backend_utils` to it, and serves its
+instance in the server over the socket inherited as FD. The main thread runs model code, one work
+item at a time (initialize, execute, finalize), on an event loop of its own for `async def` models; a
+reader thread takes every frame as it comes, so BLS answers, cancellations and freed blocks are seen
+while model code runs. Model code that raises anything (SystemExit and KeyboardInterrupt included)
+fails the requests of that execute with its message and the process keeps serving; if the server
+goes away (EOF), the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+from server.backends.python import faces
+from server.backends.python import pb_utils as pb
+from server.backends.python import protocol as p
+from server.ipc import tensors as ipc_tensors
+from server.ipc.arena import Allocator, Arena
+from server.ipc.frames import FrameSocket
+
+_END = object()
+
+
+class Host:
+    """What model code reaches through pb_utils: the link to the server, the arena, pending calls."""
+
+    def __init__(self, link: FrameSocket, arena: Arena | None):
+        self.link, self.arena = link, arena
+        self._blocks = Allocator(arena.half, arena.size - arena.half) if arena is not None else None
+        self._blocks_lock = threading.Lock()
+        self._freed: list[int] = []
+        self._freed_lock = threading.Lock()
+        self._work: queue.Queue = queue.Queue()
+        self._pending: dict[int, tuple[Future, queue.Queue | None]] = {}  # BLS and control calls
+        self._refs = itertools.count(1)
+        self._cancelled: set[int] = set()
+        self._streaming: set[int] = set()  # decoupled calls whose final response is not sent yet
+        self.loop = asyncio.new_event_loop()
+        self.face: faces.Face | None = None
+
+    # ---- the reader thread
+    def read(self) -> None:
+        while (frame := self.link.recv()) is not None:
+            kind = frame[0]
+            if kind == p.CALLED:
+                self._called(*frame[1:])
+            elif kind == p.CANCEL:
+                self._cancelled.add(frame[1])
+            elif kind == p.FREE:
+                with self._blocks_lock:
+                    for offset in frame[1]:
+                        self._blocks.free(offset)
+            else:
+                self._work.put(frame)
+        os._exit(0)  # the server is gone: nobody will read what this process makes
+
+    def _called(self, ref: int, reply: p.Reply | None, final: bool) -> None:
+        future, items = self._pending.get(ref, (None, None))
+        if future is None:
+            return
+        if items is None:  # one answer
+            del self._pending[ref]
+            future.set_result(self._response(reply))
+            return
+        if reply is not None:
+            items.put(self._response(reply))
+        if final:
+            del self._pending[ref]
+            items.put(pb.InferenceResponse())  # Triton's last, flag-only response of a decoupled stream
+            items.put(_END)
+
+    # ---- the main thread
+    def serve(self) -> None:
+        while True:
+            frame = self._work.get()
+            kind = frame[0]
+            if kind == p.INIT:
+                self._init(frame[1])
+            elif kind == p.AUTO:
+                self._auto(*frame[1:])
+            elif kind == p.EXEC:
+                self._exec(*frame[1:])
+            elif kind == p.STREAM:
+                self._stream(*frame[1:])
+            elif kind == p.FINALIZE:
+                self._finalize()
+                return
+            del frame
+            self.flush_freed()
+
+    def _init(self, args: dict) -> None:
+        try:
+            module = faces.import_model(Path(args["ferry_model_path"]))
+            self.face = faces.face_of(module, Path(args["ferry_model_path"]), self.loop)
+            self.face.initialize(args)
+        except BaseException as exc:  # noqa: BLE001 - a model that cannot start says why, and the load fails
+            self.link.send((p.FAILED, _message(exc)))
+            return
+        self.link.send((p.READY, self.face.kind))
+
+    def _auto(self, model_path: str, config_json: str) -> None:
+        try:
+            module = faces.import_model(Path(model_path))
+            completed = module.TritonPythonModel.auto_complete_config(pb.ModelConfig(config_json))
+            if not isinstance(completed, pb.ModelConfig):
+                raise pb.TritonModelException("auto_complete_config must return the pb_utils.ModelConfig it was given")
+        except BaseException as exc:  # noqa: BLE001
+            self.link.send((p.FAILED, _message(exc)))
+            return
+        self.link.send((p.AUTO, json.dumps(completed.as_dict())))
+
+    def _exec(self, call: int, requests: list[p.Request]) -> None:
+        built = [self._request(r, call) for r in requests]
+        try:
+            replies = [self._reply(r) for r in self.face.run(built)]
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
+            replies = [p.Reply([], (p.INTERNAL, _message(exc)))] * len(requests)
+        del built
+        self.link.send((p.DONE, call, replies))
+
+    def _stream(self, call: int, request: p.Request) -> None:
+        self._streaming.add(call)
+        built = self._request(request, call)
+        try:
+            self.face.run_decoupled([built], [pb.InferenceResponseSender(self, call)])
+        except BaseException as exc:  # noqa: BLE001
+            if call in self._streaming:
+                self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
+
+    def _finalize(self) -> None:
+        try:
+            if self.face is not None:
+                self.face.finalize()
+        except BaseException as exc:  # noqa: BLE001 - the process ends either way
+            print(f"finalize failed: {_message(exc)}", file=sys.stderr)
+
+    # ---- what pb_utils calls
+    def respond(self, call: int, response: pb.InferenceResponse | None, final: bool) -> None:
+        if call not in self._streaming:
+            raise pb.TritonModelException("this request's final response was sent already")
+        if final:
+            self._streaming.discard(call)
+            self._cancelled.discard(call)
+        self.link.send((p.RESPONSE, call, self._reply(response) if response is not None else None, final))
+
+    def sender(self, call: int) -> pb.InferenceResponseSender:
+        return pb.InferenceResponseSender(self, call)
+
+    def cancelled(self, call: int) -> bool:
+        return call in self._cancelled
+
+    def call(self, request: pb.InferenceRequest, decoupled: bool) -> Future:
+        """A BLS request: sent to the server, answered by CALLED frames (the reader thread resolves it)."""
+        ref, future = next(self._refs), Future()
+        items = queue.Queue() if decoupled else None
+        self._pending[ref] = (future, items)
+        version = "" if request.model_version in (-1, "", None) else str(request.model_version)
+        sent = p.Call(request.model_name, version, [self._put(t.name(), t.as_numpy()) for t in request.inputs()],
+                      tuple(request.requested_output_names()), json.loads(request.parameters()), request.request_id(),
+                      int(request.timeout()), decoupled)
+        self.link.send((p.CALL, ref, sent))
+        if decoupled:
+            future.set_result(_Responses(items))
+        return future
+
+    def control(self, op: str, name: str, version: str, config: str, files: dict):
+        ref, future = next(self._refs), Future()
+        self._pending[ref] = (future, None)
+        self.link.send((p.CONTROL, ref, op, name, version, config, files))
+        response = future.result()
+        if response.has_error():
+            raise pb.TritonModelException(response.error().message())
+        return json.loads(response.parameters()).get("value")
+
+    def metric(self, *update) -> None:
+        self.link.send((p.METRIC, *update))
+
+    def log(self, level: int, message: str) -> None:
+        self.link.send((p.LOG, level, message))
+
+    # ---- tensors
+    def _put(self, name: str, array) -> ipc_tensors.Tensor:
+        with self._blocks_lock:
+            return ipc_tensors.put(name, array, self.arena, self._blocks)
+
+    def _view(self, tensor: ipc_tensors.Tensor):
+        return ipc_tensors.view(tensor, self.arena, self._free)
+
+    def _free(self, offset: int) -> None:
+        with self._freed_lock:
+            self._freed.append(offset)
+
+    def flush_freed(self) -> None:
+        with self._freed_lock:
+            freed, self._freed = self._freed, []
+        if freed:
+            self.link.send((p.FREE, freed))
+
+    def _request(self, request: p.Request, call: int) -> pb.InferenceRequest:
+        inputs = [pb.Tensor(t.name, self._view(t)) for t in request.inputs]
+        return pb.InferenceRequest("", inputs, list(request.requested), request.id, request.correlation_id,
+                                   request.flags, parameters=request.parameters, _call=call)
+
+    def _reply(self, response) -> p.Reply:
+        if isinstance(response, pb.TritonError):
+            return p.Reply([], (response.code(), response.message()))
+        if not isinstance(response, pb.InferenceResponse):
+            return p.Reply([], (p.INTERNAL, f"execute returned {type(response).__name__} where an "
+                                            "InferenceResponse was expected"))
+        if response.has_error():
+            error = response.error()
+            return p.Reply([], (error.code(), error.message()))
+        outputs = [self._put(t.name(), t.as_numpy()) for t in response.output_tensors()]
+        return p.Reply(outputs, None, json.loads(response.parameters()) or None)
+
+    def _response(self, reply: p.Reply) -> pb.InferenceResponse:
+        if reply.error is not None:
+            return pb.InferenceResponse(error=pb.TritonError(reply.error[1], reply.error[0]))
+        return pb.InferenceResponse([pb.Tensor(t.name, self._view(t)) for t in reply.outputs],
+                                    parameters=reply.parameters)
+
+
+class _Responses:
+    """The responses of a decoupled BLS call, as they come."""
+
+    def __init__(self, items: queue.Queue):
+        self._items = items
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> pb.InferenceResponse:
+        item = self._items.get()
+        if item is _END:
+            raise StopIteration
+        return item
+
+
+def _message(exc: BaseException) -> str:
+    """What the caller reads: the exception's own words (its type when it has none), never a traceback."""
+    if isinstance(exc, SystemExit):
+        return f"model code raised SystemExit({exc.code!r})"
+    if isinstance(exc, KeyboardInterrupt):
+        return "model code raised KeyboardInterrupt"
+    text = exc.message() if isinstance(exc, pb.TritonModelException) else str(exc)
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, pb.TritonModelException) and text else (
+        text or type(exc).__name__)
+
+
+def main(argv: list[str]) -> None:
+    fd, arena_path, arena_bytes = int(argv[0]), argv[1], int(argv[2])
+    link = FrameSocket(socket.socket(fileno=fd))
+    arena = Arena(Path(arena_path), arena_bytes, create=False) if arena_path else None
+    host = Host(link, arena)
+    pb.install(host)
+    sys.modules["triton_python_backend_utils"] = pb
+    threading.Thread(target=host.read, name="ferry-model-reader", daemon=True).start()
+    host.serve()
+    link.close()
+    os._exit(0)  # model threads still running (a decoupled model's senders) end with the process
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,145 @@
+"""What a Python model process asks of the server: BLS requests, model control, metrics, restarts.
+
+A BLS request (`pb_utils.InferenceRequest(...).exec()`) arrives on the model process's reader thread
+and runs here on the event loop, through the called model's own runner, found through the registry
+at call time as an ensemble's steps are: so it is batched with everyone else's traffic to that model,
+counted in its statistics, and held to its queue policy. The answer (or the error, as a Triton error
+code and message) goes back over the link. A decoupled model called with `exec(decoupled=True)`
+streams its responses back one by one; a batching model called that way answers once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import numpy as np
+
+from server.backends.python import protocol as p
+from server.custom_metrics import CustomMetrics
+from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, ModelNotFoundError,
+                           ModelUnavailableError, QueueFullError, UnsupportedError)
+from server.metrics import ModelProcessRestarts
+from server.request import InferRequest
+from server.runners.base import DECOUPLED, INFER
+from server.runners.ensemble import LateLookup
+
+log = logging.getLogger(__name__)
+Answer = Callable[..., None]  # answer(outputs=None, error=None, final=True)
+_CODES = [(InvalidInputError, p.INVALID_ARG), (ModelNotFoundError, p.NOT_FOUND), (QueueFullError, p.UNAVAILABLE),
+          (ModelUnavailableError, p.UNAVAILABLE), (UnsupportedError, p.UNSUPPORTED),
+          (AlreadyExistsError, p.ALREADY_EXISTS)]
+
+
+class ModelControl:
+    """The registry's load / unload, bound by app.py, with the server's model-control mode."""
+
+    def __init__(self):
+        self.registry = None
+        self.refused = "the server is starting"
+
+    def bind(self, registry, refused: str) -> None:
+        self.registry, self.refused = registry, refused
+
+
+class ModelCalls:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lookup: LateLookup, control: ModelControl,
+                 restarts: ModelProcessRestarts | None, custom: CustomMetrics | None):
+        self.loop, self.lookup, self.control_ = loop, lookup, control
+        self.restarts, self.custom = restarts, custom
+
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer), self.loop)
+
+    async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer) -> None:
+        try:
+            model = self.lookup(call.model, call.version)
+            request = _request(model, call, inputs)
+            del inputs
+            if model.runner.serves == DECOUPLED:
+                if not call.decoupled:
+                    raise InvalidInputError(f"model '{call.model}' is decoupled: call it with exec(decoupled=True)")
+                async for outputs in model.runner.stream(request):
+                    answer(_wanted(outputs, call), None, False)
+                answer(None, None, True)
+                return
+            if model.runner.serves != INFER:
+                raise UnsupportedError(f"model '{call.model}' is a generation model; BLS calls reach batching and "
+                                       "decoupled models")
+            outputs = _wanted(await model.runner.infer(request), call)
+            if call.decoupled:
+                answer(outputs, None, False)
+                answer(None, None, True)
+            else:
+                answer(outputs)
+        except FerryError as exc:
+            answer(None, (code_of(exc), exc.message), True)
+        except Exception as exc:  # the caller must hear back whatever went wrong here
+            log.exception("BLS call to model '%s' failed unexpectedly", call.model)
+            answer(None, (p.INTERNAL, f"{type(exc).__name__}: {exc}"), True)
+
+    def control(self, op: str, name: str, version: str, config: str, files: dict, answer: Answer) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._control(op, name, version, config, files, answer), self.loop)
+
+    async def _control(self, op: str, name: str, version: str, config: str, files: dict, answer: Answer) -> None:
+        try:
+            answer(None, None, True, {"value": await self._controlled(op, name, version, config, files)})
+        except FerryError as exc:
+            answer(None, (code_of(exc), exc.message), True)
+
+    async def _controlled(self, op: str, name: str, version: str, config: str, files: dict) -> bool:
+        if op == "ready":
+            try:
+                self.lookup(name, version)
+            except FerryError:
+                return False
+            return True
+        registry = self.control_.registry
+        if registry is None or self.control_.refused:
+            raise ModelUnavailableError(self.control_.refused or "the server is starting")
+        if op == "load":
+            if config or files:
+                raise UnsupportedError("pb_utils.load_model with a config or files is not supported yet; load the "
+                                       "model from its folder in the repository")
+            await registry.load(name)
+        else:
+            await registry.unload(name)
+        return True
+
+    def metric(self, model: str, version: int, update: tuple) -> None:
+        if self.custom is not None:
+            self.custom.update(model, *update)
+
+    def restarted(self, model: str, version: int) -> None:
+        if self.restarts is not None:
+            self.restarts.restarted(model, version)
+
+
+def code_of(exc: FerryError) -> int:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return p.INTERNAL
+
+
+def _wanted(outputs: dict[str, np.ndarray], call: p.Call) -> dict[str, np.ndarray]:
+    return {name: outputs[name] for name in call.requested if name in outputs} if call.requested else outputs
+
+
+def _request(model, call: p.Call, inputs: dict[str, np.ndarray]) -> InferRequest:
+    """As a client's request to `model` would be checked (names, shapes, datatypes, requested outputs)."""
+    batch_size, key = model.signature.check_inputs(inputs)
+    if call.requested:
+        model.signature.check_outputs(call.requested)
+    now = time.monotonic_ns()
+    params = dict(call.parameters)
+    priority = params.pop("priority", 0) if isinstance(params.get("priority", 0), int) else 0
+    return InferRequest(
+        model_name=model.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=call.request_id,
+        requested_outputs=tuple(call.requested), parameters=params, priority=priority, timeout_us=call.timeout_us,
+        deadline_ns=now + call.timeout_us * 1000 if call.timeout_us else None, arrival_ns=now,
+        length=model.signature.length(inputs), nbytes=sum(a.nbytes for a in inputs.values()),
+    )
