@@ -101,7 +101,7 @@ class DecoupledRunner(RunnerBase):
             for outputs in self.backends[instance].responses(request, stop):
                 if stop.is_set():
                     return
-                put(self._checked(outputs))
+                put(self._checked(outputs, not getattr(self.backends[instance], "per_request", False)))
         except FerryError as exc:
             put(exc)
         except Exception as exc:  # noqa: BLE001 - a model's failure fails its own request
@@ -109,14 +109,16 @@ class DecoupledRunner(RunnerBase):
         finally:
             put(_DONE)
 
-    def _checked(self, outputs: dict) -> dict[str, np.ndarray]:
+    def _checked(self, outputs: dict, strict_types: bool = True) -> dict[str, np.ndarray]:
+        """Declared outputs only; with `strict_types` in their declared datatype (Triton's Python models
+        answer in the dtype they made, as in Triton)."""
         checked = {}
         for name, value in outputs.items():
             spec = self.signature.outputs.get(name)
             if spec is None:
                 raise BackendError(f"model '{self.name}' sent output '{name}', which its config does not declare")
             array = np.asarray(value)
-            if spec.datatype.api != "BYTES" and array.dtype != spec.datatype.numpy:
+            if strict_types and spec.datatype.api != "BYTES" and array.dtype != spec.datatype.numpy:
                 raise BackendError(f"model '{self.name}' sent output '{name}' as {array.dtype}; "
                                    f"the config declares {spec.datatype.config}")
             checked[name] = array

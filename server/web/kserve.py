@@ -9,12 +9,13 @@ from __future__ import annotations
 import functools
 import time
 
-from google.protobuf.json_format import MessageToDict
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server import __version__
+from server.config_json import config_dict
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
 from server.frontdoor import infer_request, serving
 from server.log_settings import LogControl
@@ -101,7 +102,7 @@ class KServeRoutes:
     @kserve_errors
     async def model_config(self, request: Request) -> Response:
         config = self.registry.get(*_model(request)).config
-        return JSONResponse(MessageToDict(config, preserving_proto_field_name=True))
+        return JSONResponse(config_dict(config))
 
     @kserve_errors
     async def statistics(self, request: Request) -> Response:

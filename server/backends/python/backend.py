@@ -29,6 +29,7 @@ from server.backends.base import Backend, Device, parameter
 from server.backends.python import protocol as p
 from server.backends.python.faces import defines_auto_complete
 from server.backends.python.process import ModelProcess, ProcessDied
+from server.config_json import config_dict
 from server.errors import (AlreadyExistsError, BackendError, ConfigError, FerryError, InvalidInputError,
                            ModelNotFoundError, ModelUnavailableError, UnsupportedError)
 from server.request import InferRequest
@@ -65,7 +66,7 @@ class PythonBackend(Backend):
         process = ModelProcess(config.name, 0, 0, lambda: None)
         process.start()
         try:
-            answer = process.ask(p.AUTO, str(model_path), json_format.MessageToJson(config, preserving_proto_field_name=True))
+            answer = process.ask(p.AUTO, str(model_path), json.dumps(config_dict(config)))
         except ProcessDied as exc:
             raise ConfigError(f"{config.name}: auto_complete_config: {exc}") from exc
         finally:
@@ -110,7 +111,7 @@ class PythonBackend(Backend):
         return int(self.model_path.parent.name) if self.model_path.parent.name.isdigit() else 0
 
     def _args(self) -> dict:
-        config = json_format.MessageToDict(self.config, preserving_proto_field_name=True)
+        config = config_dict(self.config)
         return {
             "model_config": json.dumps(config), "model_instance_kind": "CPU",
             "model_instance_device_id": str(self.device.index), "model_instance_name": f"{self.config.name}_{self.instance}",
@@ -216,3 +217,4 @@ class PythonBackend(Backend):
         if self.process is not None and self.process.pid is not None:
             facts["process"] = str(self.process.pid)
         return facts
+

@@ -209,7 +209,7 @@ class InferenceRequest:
                  requested_output_names: list[str] | None = None, request_id: str = "", correlation_id=0,
                  flags: int = 0, timeout: int = 0, model_version: int = -1, parameters: dict | str | None = None,
                  preferred_memory=None, trace=None, _call: int | None = None):
-        self.model_name = model_name
+        self.model_name = model_name.decode() if isinstance(model_name, bytes) else str(model_name)  # a BYTES element
         self.model_version = model_version
         self._inputs = list(inputs or [])
         self._requested = list(requested_output_names or [])
