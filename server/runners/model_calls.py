@@ -51,13 +51,14 @@ class ModelCalls:
         self.loop, self.lookup, self.control_ = loop, lookup, control
         self.restarts, self.custom = restarts, custom
 
-    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer) -> Future:
-        return asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer), self.loop)
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None = None) -> Future:
+        """`deadline_ns`: the calling requests' deadline, which the call inherits (with its own timeout)."""
+        return asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns), self.loop)
 
-    async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer) -> None:
+    async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None) -> None:
         try:
             model = self.lookup(call.model, call.version)
-            request = _request(model, call, inputs)
+            request = _request(model, call, inputs, deadline_ns)
             del inputs
             if model.runner.serves == DECOUPLED:
                 if not call.decoupled:
@@ -129,7 +130,7 @@ def _wanted(outputs: dict[str, np.ndarray], call: p.Call) -> dict[str, np.ndarra
     return {name: outputs[name] for name in call.requested if name in outputs} if call.requested else outputs
 
 
-def _request(model, call: p.Call, inputs: dict[str, np.ndarray]) -> InferRequest:
+def _request(model, call: p.Call, inputs: dict[str, np.ndarray], inherited_ns: int | None) -> InferRequest:
     """As a client's request to `model` would be checked (names, shapes, datatypes, requested outputs)."""
     batch_size, key = model.signature.check_inputs(inputs)
     if call.requested:
@@ -137,9 +138,10 @@ def _request(model, call: p.Call, inputs: dict[str, np.ndarray]) -> InferRequest
     now = time.monotonic_ns()
     params = dict(call.parameters)
     priority = params.pop("priority", 0) if isinstance(params.get("priority", 0), int) else 0
+    deadlines = [d for d in (now + call.timeout_us * 1000 if call.timeout_us else None, inherited_ns) if d is not None]
     return InferRequest(
         model_name=model.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=call.request_id,
         requested_outputs=tuple(call.requested), parameters=params, priority=priority, timeout_us=call.timeout_us,
-        deadline_ns=now + call.timeout_us * 1000 if call.timeout_us else None, arrival_ns=now,
+        deadline_ns=min(deadlines) if deadlines else None, arrival_ns=now,
         length=model.signature.length(inputs), nbytes=sum(a.nbytes for a in inputs.values()),
     )

@@ -59,6 +59,12 @@ class PythonBackend(Backend):
         return self.face == p.TRITON
 
     @classmethod
+    def cuda_devices(cls) -> int:
+        """GPUs the NVIDIA driver reports (model code may use them; Ferry imports no CUDA library for it)."""
+        gpus = Path("/proc/driver/nvidia/gpus")
+        return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+    @classmethod
     def complete_config(cls, config: mc.ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
         """Triton's auto_complete_config, run in a short-lived process of its own (as Triton does)."""
         if not model_path.is_file() or not defines_auto_complete(model_path):
@@ -85,9 +91,12 @@ class PythonBackend(Backend):
             raise ConfigError(f"model '{self.config.name}': parameter EXECUTION_ENV_PATH (a conda-pack environment) is "
                               "not supported: Ferry runs model.py with the server's own Python; install the model's "
                               "packages there instead")
-        if self.device.kind != "cpu":
-            raise ConfigError(f"model '{self.config.name}': Ferry's Python backend hands tensors to model.py on the "
-                              "host only; use instance_group kind KIND_CPU (model code may still move them to a GPU)")
+        if (parameter(self.config, "FORCE_CPU_ONLY_INPUT_TENSORS") or "yes").lower() in ("no", "false", "off"):
+            if self.cuda_devices() == 0:
+                raise ConfigError(f"model '{self.config.name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS is 'no' (GPU "
+                                  "input tensors) but this machine has no GPU; remove the parameter to get host tensors")
+            log.warning("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS 'no' is not supported; its input tensors are on the "
+                        "host (Tensor.is_cpu() is true)", self.config.name)
         self.process = self._start()
 
     def _start(self) -> ModelProcess:
@@ -113,7 +122,7 @@ class PythonBackend(Backend):
     def _args(self) -> dict:
         config = config_dict(self.config)
         return {
-            "model_config": json.dumps(config), "model_instance_kind": "CPU",
+            "model_config": json.dumps(config), "model_instance_kind": "GPU" if self.device.kind == "cuda" else "CPU",
             "model_instance_device_id": str(self.device.index), "model_instance_name": f"{self.config.name}_{self.instance}",
             "model_repository": str(self.model_path.parent.parent), "model_version": str(self.version),
             "model_name": self.config.name,
@@ -149,7 +158,12 @@ class PythonBackend(Backend):
         process = self._alive()
         sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
         del inputs
-        return self._ask(process, sent)
+        deadlines = [r.deadline_ns for r in requests if r.deadline_ns is not None]
+        process.deadline_ns = min(deadlines) if len(deadlines) == len(requests) else None  # BLS calls inherit it
+        try:
+            return self._ask(process, sent)
+        finally:
+            process.deadline_ns = None
 
     def _ask(self, process: ModelProcess, sent: list[p.Request]) -> list:
         self._busy = True

@@ -38,7 +38,7 @@ _LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging
 class Calls(Protocol):
     """What a model process asks of the server (server/runners/model_calls.py answers)."""
 
-    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Callable) -> None: ...
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Callable, deadline_ns: int | None) -> None: ...
     def control(self, op: str, name: str, version: str, config: str, files: dict, answer: Callable) -> None: ...
     def metric(self, model: str, version: int, update: tuple) -> None: ...
     def restarted(self, model: str, version: int) -> None: ...
@@ -56,6 +56,7 @@ class ModelProcess:
         self._ids = itertools.count(1)
         self._blocks_lock = threading.Lock()
         self.death: str | None = None  # why the process ended, once it has
+        self.deadline_ns: int | None = None  # of the execute in flight: its BLS calls may not outlive it
         self.proc: subprocess.Popen | None = None
         self.link: FrameSocket | None = None
         self.arena: Arena | None = None
@@ -203,7 +204,7 @@ class ModelProcess:
             answer(None, (p.UNAVAILABLE, "the server cannot take calls from this model yet"))
         elif kind == p.CALL:
             call: p.Call = frame[2]
-            calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer)
+            calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self.deadline_ns)
         elif kind == p.CONTROL:
             calls.control(*frame[2:], answer)
 
