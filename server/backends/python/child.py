@@ -12,6 +12,7 @@ goes away (EOF), the process exits.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import os
@@ -39,8 +40,7 @@ class Host:
         self.link, self.arena = link, arena
         self._blocks = Allocator(arena.half, arena.size - arena.half) if arena is not None else None
         self._blocks_lock = threading.Lock()
-        self._freed: list[int] = []
-        self._freed_lock = threading.Lock()
+        self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, on any thread
         self._work: queue.Queue = queue.Queue()
         self._pending: dict[int, tuple[Future, queue.Queue | None]] = {}  # BLS and control calls
         self._refs = itertools.count(1)
@@ -198,12 +198,12 @@ class Host:
         return ipc_tensors.view(tensor, self.arena, self._free)
 
     def _free(self, offset: int) -> None:
-        with self._freed_lock:
-            self._freed.append(offset)
+        self._freed.append(offset)  # atomic: safe inside a garbage collection that interrupted a send
 
     def flush_freed(self) -> None:
-        with self._freed_lock:
-            freed, self._freed = self._freed, []
+        freed = []
+        while self._freed:
+            freed.append(self._freed.popleft())
         if freed:
             self.link.send((p.FREE, freed))
 

@@ -10,6 +10,7 @@ server (`Calls`). EOF means the process died: every call in flight is answered w
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -55,6 +56,7 @@ class ModelProcess:
         self._waiting: dict[int, queue.Queue] = {}  # call id -> where its answers go
         self._ids = itertools.count(1)
         self._blocks_lock = threading.Lock()
+        self._freed: collections.deque[int] = collections.deque()  # blocks of the child's half seen to the last view
         self.death: str | None = None  # why the process ended, once it has
         self.deadline_ns: int | None = None  # of the execute in flight: its BLS calls may not outlive it
         self.proc: subprocess.Popen | None = None
@@ -100,6 +102,7 @@ class ModelProcess:
         call = next(self._ids) if frame_kind == p.EXEC else 0  # INIT and AUTO: one at a time, at start
         answers = self._wait_on(call)
         try:
+            self._send_freed()
             self._send((frame_kind, call, *body) if frame_kind == p.EXEC else (frame_kind, *body))
             answer = answers.get()
         finally:
@@ -112,6 +115,7 @@ class ModelProcess:
         """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id."""
         call = next(self._ids)
         answers = self._wait_on(call)
+        self._send_freed()
         self._send((p.STREAM, call, request))
         return call, self._answers(call, answers)
 
@@ -151,8 +155,17 @@ class ModelProcess:
         return ipc_tensors.view(tensor, self.arena, self._free_theirs)
 
     def _free_theirs(self, offset: int) -> None:
-        """A block of the child's half whose last view here is gone (on whichever thread dropped it)."""
-        self._send((p.FREE, [offset]))
+        """A block of the child's half whose last view here is gone. It may run on any thread, inside a
+        garbage collection that interrupted a send: so it only notes the block (deque.append is atomic),
+        and the next frame to the child is preceded by a FREE frame (`_send_freed`)."""
+        self._freed.append(offset)
+
+    def _send_freed(self) -> None:
+        freed = []
+        while self._freed:
+            freed.append(self._freed.popleft())
+        if freed:
+            self._send((p.FREE, freed))
 
     # ---- the reader thread
     def _read(self) -> None:
