@@ -64,7 +64,7 @@ def env(tmp_path_factory):
     secret.write_text(SECRET + "\n")
     (repo / "leak" / "1").mkdir(parents=True)
     (repo / "leak" / "config.pbtxt").symlink_to(secret)  # a config that is a link to another file
-    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")  # hostile load/unload names reach the registry
     yield server, repo
     server.stop()
 
