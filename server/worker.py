@@ -52,6 +52,9 @@ class Worker:
         t0 = time.monotonic_ns()
         try:
             if getattr(self.backend, "per_request", False):  # the backend answers each request alone
+                if self.backend.can_send():
+                    self._send(loop, done, batch)
+                    return done
                 inputs, pad_count = None, PadCount()
             else:
                 inputs, pad_count = self.assembler.gather(batch)
@@ -89,6 +92,25 @@ class Worker:
         split = self.assembler.split(batch, outputs)
         return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count)
 
+    def _send(self, loop, done: asyncio.Future, batch: Batch) -> None:
+        """A backend that runs elsewhere (a model process) and is ready takes the batch from the loop, and
+        its answer settles the future from wherever it arrives: no hop through the instance's thread,
+        which only a backend that must first be (re)started needs."""
+        reshape, t1 = self.signature.reshape, time.monotonic_ns()
+
+        def answered(answers: list) -> None:
+            try:
+                result, error = self._answers(batch, answers, t1, time.monotonic_ns()), None
+            except Exception as exc:  # noqa: BLE001 - reported through the batch's future
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_settle, done, result, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+        self.backend.send_requests(batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs
+                                                    for r in batch.requests], answered)
+
     def _execute_requests(self, batch: Batch, input_ns: int) -> BatchResult:
         """A backend that takes the batch's requests as they came (Triton's Python models) answers each
         alone: an error or a malformed answer fails its own request, never the others."""
@@ -96,7 +118,12 @@ class Worker:
         t1 = time.monotonic_ns()
         answers = self.backend.execute_requests(
             batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs for r in batch.requests])
-        t2 = time.monotonic_ns()
+        result = self._answers(batch, answers, t1, time.monotonic_ns())
+        result.input_ns = input_ns
+        return result
+
+    def _answers(self, batch: Batch, answers: list, t1: int, t2: int) -> BatchResult:
+        reshape = self.signature.reshape
         if len(answers) != len(batch.requests):
             raise BackendError(f"model '{self.signature.model}' answered {len(answers)} of {len(batch.requests)} requests")
         checked = []
@@ -108,7 +135,7 @@ class Worker:
                 except FerryError as exc:
                     answer = exc
             checked.append(answer)
-        return BatchResult(checked, input_ns, t2 - t1, time.monotonic_ns() - t2)
+        return BatchResult(checked, 0, t2 - t1, time.monotonic_ns() - t2)
 
     def _check(self, outputs: dict[str, np.ndarray], names: tuple[str, ...] = (), strict_types: bool = True) -> None:
         """Every output asked for is there; with `strict_types`, in the declared datatype. Triton's Python

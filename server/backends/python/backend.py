@@ -165,6 +165,30 @@ class PythonBackend(Backend):
         finally:
             process.deadline_ns = None
 
+    def can_send(self) -> bool:
+        """Whether `send_requests` may be used now: the process is up and idle (else the instance thread
+        takes the batch, starting a new process first if it must)."""
+        process = self.process
+        return process is not None and process.death is None and not self._busy
+
+    def send_requests(self, requests: list[InferRequest], inputs: list[dict[str, np.ndarray]], answered) -> None:
+        """On the event loop: send the batch's requests (tensors written once into the arena) and return;
+        `answered([outputs | FerryError])` is called on the process's reader thread."""
+        process = self.process
+        sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
+        deadlines = [r.deadline_ns for r in requests if r.deadline_ns is not None]
+        process.deadline_ns = min(deadlines) if len(deadlines) == len(requests) else None  # BLS calls inherit it
+        self._busy = True
+
+        def replied(replies) -> None:
+            self._busy, process.deadline_ns = False, None
+            if isinstance(replies, ProcessDied):
+                answered([ModelUnavailableError(str(replies))] * len(sent))
+            else:
+                answered([self._outputs(process, reply) for reply in replies])
+
+        process.send(p.EXEC, sent, replied)
+
     def _ask(self, process: ModelProcess, sent: list[p.Request]) -> list:
         self._busy = True
         try:
@@ -225,10 +249,3 @@ class PythonBackend(Backend):
         if self.process is not None:
             self.process.stop(0 if self._busy else FINALIZE_S)
             self.process = None
-
-    def describe(self) -> dict[str, str]:
-        facts = {"device": str(self.device)}
-        if self.process is not None and self.process.pid is not None:
-            facts["process"] = str(self.process.pid)
-        return facts
-

@@ -111,6 +111,19 @@ class ModelProcess:
             raise answer
         return answer
 
+    def send(self, frame_kind: str, body, replied: Callable) -> None:
+        """Send an EXEC and return; `replied(answer or ProcessDied)` runs on the reader thread."""
+        call = next(self._ids)
+        if self.death is not None:
+            replied(ProcessDied(self.death))
+            return
+        reply = self._waiting[call] = _Reply(call, self._waiting, replied)
+        if self.death is not None:  # it died between the check and the entry: the reader may have passed it
+            reply.put(ProcessDied(self.death))
+            return
+        self._send_freed()
+        self._send((frame_kind, call, body))
+
     def stream(self, request: p.Request):
         """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id."""
         call = next(self._ids)
@@ -139,6 +152,8 @@ class ModelProcess:
         if self.death is not None:
             raise ProcessDied(self.death)
         answers = self._waiting[call] = queue.Queue()
+        if self.death is not None:  # it died between the check and the entry: the reader may have passed it
+            answers.put(ProcessDied(self.death))
         return answers
 
     def _send(self, frame: tuple) -> None:
@@ -257,6 +272,17 @@ class ModelProcess:
             self._reader.join(5)
         if self.arena is not None:
             self.arena.unlink()
+
+
+class _Reply:
+    """Where a sent call's one answer goes: a function, called on the reader thread (queue-like `put`)."""
+
+    def __init__(self, call: int, waiting: dict, replied: Callable):
+        self.call, self.waiting, self.replied = call, waiting, replied
+
+    def put(self, answer) -> None:
+        if self.waiting.pop(self.call, None) is not None:
+            self.replied(answer)
 
 
 def _signal_name(number: int) -> str:
