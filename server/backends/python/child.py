@@ -2,9 +2,9 @@
 
 It imports the model.py it is told to, exposes `triton_python_backend_utils` to it, and serves its
 instance in the server over the socket inherited as FD. The main thread runs model code, one work
-item at a time (initialize, execute, finalize), on an event loop of its own for `async def` models; a
-reader thread takes every frame as it comes, so BLS answers, cancellations and freed blocks are seen
-while model code runs. Model code that raises anything (SystemExit and KeyboardInterrupt included)
+item at a time (initialize, execute, finalize), on an event loop of its own for `async def` models, and
+reads the socket itself while idle; while model code runs a helper thread reads, so BLS answers,
+cancellations and freed blocks are seen meanwhile. Model code that raises anything (SystemExit and KeyboardInterrupt included)
 fails the requests of that execute with its message and the process keeps serving; if the server
 goes away (EOF), the process exits.
 """
@@ -31,6 +31,8 @@ from server.ipc.arena import Allocator, Arena
 from server.ipc.frames import FrameSocket
 
 _END = object()
+_NUDGE = ("nudge",)  # from the helper: the main thread may read the socket itself again
+_WORK = {p.INIT, p.AUTO, p.EXEC, p.STREAM, p.FINALIZE}
 
 
 class Host:
@@ -41,7 +43,10 @@ class Host:
         self._blocks = Allocator(arena.half, arena.size - arena.half) if arena is not None else None
         self._blocks_lock = threading.Lock()
         self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, on any thread
-        self._work: queue.Queue = queue.Queue()
+        self._work: queue.Queue = queue.Queue()  # work the helper read while the main thread was busy
+        self._reading = threading.Lock()  # held by whichever thread is in recv
+        self._busy = threading.Event()  # the main thread runs model code: the helper reads
+        self._wanted = threading.Event()  # model code waits for an answer (BLS): the helper reads at once
         self._pending: dict[int, tuple[Future, queue.Queue | None]] = {}  # BLS and control calls
         self._refs = itertools.count(1)
         self._cancelled: set[int] = set()
@@ -49,21 +54,60 @@ class Host:
         self.loop = asyncio.new_event_loop()
         self.face: faces.Face | None = None
 
-    # ---- the reader thread
-    def read(self) -> None:
-        while (frame := self.link.recv()) is not None:
-            kind = frame[0]
-            if kind == p.CALLED:
-                self._called(*frame[1:])
-            elif kind == p.CANCEL:
-                self._cancelled.add(frame[1])
-            elif kind == p.FREE:
-                with self._blocks_lock:
-                    for offset in frame[1]:
-                        self._blocks.free(offset)
-            else:
+    # ---- reading: the main thread while it is idle, the helper thread while model code runs
+    def _take(self) -> tuple:
+        """The next work item for the main thread. An idle main thread reads the socket itself (one
+        thread wake-up less per request); while it runs model code the helper reads, so BLS answers,
+        cancellations and freed blocks are seen, and hands work over through the queue."""
+        while True:
+            try:
+                return self._work.get_nowait()
+            except queue.Empty:
+                pass
+            if self._reading.acquire(blocking=False):
+                try:
+                    frame = self.link.recv()
+                finally:
+                    self._reading.release()
+                if frame is None:
+                    os._exit(0)  # the server is gone: nobody will read what this process makes
+                if frame[0] in _WORK:
+                    return frame
+                self._handle(frame)
+                continue
+            frame = self._work.get()  # the helper is reading: it hands work over (or nudges)
+            if frame is not _NUDGE:
+                return frame
+
+    def help_read(self) -> None:
+        """The helper thread: reads while the main thread runs model code that made a BLS call or has run
+        for 2 ms (short executes, the common case, leave the reading to the main thread)."""
+        while True:
+            self._busy.wait()
+            self._wanted.wait(0.002)
+            if not self._busy.is_set():
+                continue
+            with self._reading:
+                frame = self.link.recv()
+            if frame is None:
+                os._exit(0)
+            if frame[0] in _WORK:
                 self._work.put(frame)
-        os._exit(0)  # the server is gone: nobody will read what this process makes
+            else:
+                self._handle(frame)
+                if not self._busy.is_set():
+                    self._work.put(_NUDGE)  # the main thread may be waiting on the queue: let it read again
+
+    def _handle(self, frame: tuple) -> None:
+        kind = frame[0]
+        if kind == p.CALLED:
+            self._called(*frame[1:])
+        elif kind == p.CANCEL:
+            self._cancelled.add(frame[1])
+        elif kind == p.FREE:
+            with self._blocks_lock:
+                for offset in frame[1]:
+                    self._blocks.free(offset)
 
     def _called(self, ref: int, reply: p.Reply | None, final: bool) -> None:
         future, items = self._pending.get(ref, (None, None))
@@ -83,7 +127,8 @@ class Host:
     # ---- the main thread
     def serve(self) -> None:
         while True:
-            frame = self._work.get()
+            frame = self._take()
+            self._busy.set()
             kind = frame[0]
             if kind == p.INIT:
                 self._init(frame[1])
@@ -97,6 +142,8 @@ class Host:
                 self._finalize()
                 return
             del frame
+            self._busy.clear()
+            self._wanted.clear()
             self.flush_freed()
 
     def _init(self, args: dict) -> None:
@@ -169,6 +216,7 @@ class Host:
         sent = p.Call(request.model_name, version, [self._put(t.name(), t.as_numpy()) for t in request.inputs()],
                       tuple(request.requested_output_names()), json.loads(request.parameters()), request.request_id(),
                       int(request.timeout()), decoupled)
+        self._wanted.set()
         self.link.send((p.CALL, ref, sent))
         if decoupled:
             future.set_result(_Responses(items))
@@ -177,6 +225,7 @@ class Host:
     def control(self, op: str, name: str, version: str, config: str, files: dict):
         ref, future = next(self._refs), Future()
         self._pending[ref] = (future, None)
+        self._wanted.set()
         self.link.send((p.CONTROL, ref, op, name, version, config, files))
         response = future.result()
         if response.has_error():
@@ -265,7 +314,7 @@ def main(argv: list[str]) -> None:
     host = Host(link, arena)
     pb.install(host)
     sys.modules["triton_python_backend_utils"] = pb
-    threading.Thread(target=host.read, name="ferry-model-reader", daemon=True).start()
+    threading.Thread(target=host.help_read, name="ferry-model-reader", daemon=True).start()
     host.serve()
     link.close()
     os._exit(0)  # model threads still running (a decoupled model's senders) end with the process
