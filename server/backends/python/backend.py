@@ -51,12 +51,18 @@ class PythonBackend(Backend):
         self.face = ""
         self.calls = None  # the server's side of BLS, model control and metrics (server/runners/model_calls.py)
         self._restart_lock = threading.Lock()
-        self._busy = False  # a call is in flight: unloading kills rather than waits for finalize
+        self._in_flight = 0  # calls sent and not answered: unloading with some kills rather than waits for finalize
         self._streaming: tuple[ModelProcess, int] | None = None  # the decoupled call running now
 
     @property
     def per_request(self) -> bool:
         return self.face == p.TRITON
+
+    @property
+    def depth(self) -> int:
+        """Batches in flight per instance: Triton's models take two (the process runs one, the next is
+        already there), so a batch's round trip is not paid between batches."""
+        return 2 if self.per_request else 1
 
     @classmethod
     def cuda_devices(cls) -> int:
@@ -158,52 +164,46 @@ class PythonBackend(Backend):
         process = self._alive()
         sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
         del inputs
-        deadlines = [r.deadline_ns for r in requests if r.deadline_ns is not None]
-        process.deadline_ns = min(deadlines) if len(deadlines) == len(requests) else None  # BLS calls inherit it
-        try:
-            return self._ask(process, sent)
-        finally:
-            process.deadline_ns = None
+        return self._ask(process, sent, _deadline(requests))
 
     def can_send(self) -> bool:
         """Whether `send_requests` may be used now: the process is up and idle (else the instance thread
         takes the batch, starting a new process first if it must)."""
         process = self.process
-        return process is not None and process.death is None and not self._busy
+        return process is not None and process.death is None
 
     def send_requests(self, requests: list[InferRequest], inputs: list[dict[str, np.ndarray]], answered) -> None:
         """On the event loop: send the batch's requests (tensors written once into the arena) and return;
         `answered([outputs | FerryError])` is called on the process's reader thread."""
         process = self.process
         sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
-        deadlines = [r.deadline_ns for r in requests if r.deadline_ns is not None]
-        process.deadline_ns = min(deadlines) if len(deadlines) == len(requests) else None  # BLS calls inherit it
-        self._busy = True
+        self._in_flight += 1
 
         def replied(replies) -> None:
-            self._busy, process.deadline_ns = False, None
+            self._in_flight -= 1
             if isinstance(replies, ProcessDied):
                 answered([ModelUnavailableError(str(replies))] * len(sent))
             else:
                 answered([self._outputs(process, reply) for reply in replies])
 
-        process.send(p.EXEC, sent, replied)
+        process.send(p.EXEC, sent, replied, _deadline(requests))
 
-    def _ask(self, process: ModelProcess, sent: list[p.Request]) -> list:
-        self._busy = True
+    def _ask(self, process: ModelProcess, sent: list[p.Request], deadline_ns: int | None = None) -> list:
+        self._in_flight += 1
         try:
-            replies = process.ask(p.EXEC, sent)
+            replies = process.ask(p.EXEC, sent, deadline_ns=deadline_ns)
         except ProcessDied as exc:
             return [ModelUnavailableError(str(exc))] * len(sent)
         finally:
-            self._busy = False
+            self._in_flight -= 1
         return [self._outputs(process, reply) for reply in replies]
 
     def responses(self, request: InferRequest, stop: threading.Event):
         """A decoupled request: its responses (dicts of outputs) as the model sends them."""
         process = self._alive()
         call, answers = process.stream(self._request(process, request, request.inputs))
-        self._busy, self._streaming = True, (process, call)
+        self._in_flight += 1
+        self._streaming = (process, call)
         try:
             for reply, _final in answers:
                 if stop.is_set():
@@ -217,7 +217,8 @@ class PythonBackend(Backend):
         except ProcessDied as exc:
             raise ModelUnavailableError(str(exc)) from exc
         finally:
-            self._busy, self._streaming = False, None
+            self._in_flight -= 1
+            self._streaming = None
 
     def cancel(self) -> None:
         """The caller of the stream running now went away: the model's is_cancelled() turns true."""
@@ -240,12 +241,18 @@ class PythonBackend(Backend):
 
     def interrupt(self) -> None:
         """The drain grace is over: a call still in flight will not end well, so end its process now."""
-        if self._busy and self.process is not None:
+        if self._in_flight and self.process is not None:
             log.warning("model '%s': its process (pid %d) was still running a request when the drain grace ran "
                         "out; killed", self.config.name, self.process.pid)
             self.process.kill()
 
     def unload(self) -> None:
         if self.process is not None:
-            self.process.stop(0 if self._busy else FINALIZE_S)
+            self.process.stop(0 if self._in_flight else FINALIZE_S)
             self.process = None
+
+
+def _deadline(requests: list[InferRequest]) -> int | None:
+    """What BLS calls made for these requests inherit: the earliest deadline, when every request has one."""
+    deadlines = [r.deadline_ns for r in requests if r.deadline_ns is not None]
+    return min(deadlines) if deadlines and len(deadlines) == len(requests) else None

@@ -53,6 +53,7 @@ class Host:
         self._streaming: set[int] = set()  # decoupled calls whose final response is not sent yet
         self.loop = asyncio.new_event_loop()
         self.face: faces.Face | None = None
+        self._current = 0  # the EXEC call running (or last run)
 
     # ---- reading: the main thread while it is idle, the helper thread while model code runs
     def _take(self) -> tuple:
@@ -168,6 +169,7 @@ class Host:
         self.link.send((p.AUTO, json.dumps(completed.as_dict())))
 
     def _exec(self, call: int, requests: list[p.Request]) -> None:
+        self._current = call
         built = [self._request(r, call) for r in requests]
         try:
             replies = [self._reply(r) for r in self.face.run(built)]
@@ -217,7 +219,7 @@ class Host:
                       tuple(request.requested_output_names()), json.loads(request.parameters()), request.request_id(),
                       int(request.timeout()), decoupled)
         self._wanted.set()
-        self.link.send((p.CALL, ref, sent))
+        self.link.send((p.CALL, ref, sent, self._current))  # the execute it is made for: its deadline
         if decoupled:
             future.set_result(_Responses(items))
         return future

@@ -58,7 +58,7 @@ class ModelProcess:
         self._blocks_lock = threading.Lock()
         self._freed: collections.deque[int] = collections.deque()  # blocks of the child's half seen to the last view
         self.death: str | None = None  # why the process ended, once it has
-        self.deadline_ns: int | None = None  # of the execute in flight: its BLS calls may not outlive it
+        self._deadlines: dict[int, int] = {}  # EXEC call -> its requests' deadline, which its BLS calls inherit
         self.proc: subprocess.Popen | None = None
         self.link: FrameSocket | None = None
         self.arena: Arena | None = None
@@ -97,27 +97,32 @@ class ModelProcess:
             log.warning("model '%s': no shared memory arena (%s); its tensors travel inline", self.model, exc)
             return None
 
-    def ask(self, frame_kind: str, *body) -> tuple:
+    def ask(self, frame_kind: str, *body, deadline_ns: int | None = None) -> tuple:
         """Send a frame that is answered once (INIT, AUTO, EXEC) and wait for the answer."""
         call = next(self._ids) if frame_kind == p.EXEC else 0  # INIT and AUTO: one at a time, at start
         answers = self._wait_on(call)
+        if deadline_ns is not None:
+            self._deadlines[call] = deadline_ns
         try:
             self._send_freed()
             self._send((frame_kind, call, *body) if frame_kind == p.EXEC else (frame_kind, *body))
             answer = answers.get()
         finally:
             self._waiting.pop(call, None)
+            self._deadlines.pop(call, None)
         if isinstance(answer, ProcessDied):
             raise answer
         return answer
 
-    def send(self, frame_kind: str, body, replied: Callable) -> None:
+    def send(self, frame_kind: str, body, replied: Callable, deadline_ns: int | None = None) -> None:
         """Send an EXEC and return; `replied(answer or ProcessDied)` runs on the reader thread."""
         call = next(self._ids)
         if self.death is not None:
             replied(ProcessDied(self.death))
             return
-        reply = self._waiting[call] = _Reply(call, self._waiting, replied)
+        if deadline_ns is not None:
+            self._deadlines[call] = deadline_ns
+        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines)
         if self.death is not None:  # it died between the check and the entry: the reader may have passed it
             reply.put(ProcessDied(self.death))
             return
@@ -232,7 +237,7 @@ class ModelProcess:
             answer(None, (p.UNAVAILABLE, "the server cannot take calls from this model yet"))
         elif kind == p.CALL:
             call: p.Call = frame[2]
-            calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self.deadline_ns)
+            calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]))
         elif kind == p.CONTROL:
             calls.control(*frame[2:], answer)
 
@@ -277,11 +282,12 @@ class ModelProcess:
 class _Reply:
     """Where a sent call's one answer goes: a function, called on the reader thread (queue-like `put`)."""
 
-    def __init__(self, call: int, waiting: dict, replied: Callable):
-        self.call, self.waiting, self.replied = call, waiting, replied
+    def __init__(self, call: int, waiting: dict, replied: Callable, deadlines: dict):
+        self.call, self.waiting, self.replied, self.deadlines = call, waiting, replied, deadlines
 
     def put(self, answer) -> None:
         if self.waiting.pop(self.call, None) is not None:
+            self.deadlines.pop(self.call, None)
             self.replied(answer)
 
 

@@ -15,7 +15,7 @@ Server -> model process:
   FREE([offsets])                        blocks of the model process's half the server is done with
   FINALIZE()                             finalize() and exit
 Model process -> server:
-  CALL(ref, Call)                        BLS: run a request on another model's runner
+  CALL(ref, Call, call)                  BLS: run a request on another model's runner (for EXEC `call`)
   CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
   METRIC(op, family, labels, value)      custom metrics: the server owns the Prometheus families
   LOG(level, message)                    pb_utils.Logger
