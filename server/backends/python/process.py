@@ -33,6 +33,7 @@ from server.ipc.frames import FrameSocket
 log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[3]  # the folder holding the `server` package
 _names = itertools.count()
+_STOPPED = object()  # a stream's caller went away: its thread stops waiting
 _LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
 
 
@@ -141,6 +142,8 @@ class ModelProcess:
         try:
             while True:
                 item = answers.get()
+                if item is _STOPPED:
+                    return
                 if isinstance(item, ProcessDied):
                     raise item
                 yield item
@@ -150,8 +153,12 @@ class ModelProcess:
             self._waiting.pop(call, None)
 
     def cancel(self, call: int) -> None:
-        if call in self._waiting:
+        """The stream's caller went away: tell the model (is_cancelled()), and stop waiting for it, so a
+        model that never sends its final response does not hold the instance's thread."""
+        target = self._waiting.get(call)
+        if target is not None:
             self._send((p.CANCEL, call))
+            target.put(_STOPPED)
 
     def _wait_on(self, call: int) -> queue.Queue:
         if self.death is not None:
