@@ -224,6 +224,29 @@ ENV_CONFIG = METRICS_CONFIG.replace('"tmetrics"', '"tenv"') + """
 parameters: { key: "EXECUTION_ENV_PATH", value: { string_value: "$$TRITON_MODEL_DIRECTORY/env.tar.gz" } }
 """
 
+# Model control from model code: OP 0 unloads "tadd", 1 loads it; answers is_model_ready("tadd") after.
+CONTROL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        op = int(pb_utils.get_input_tensor_by_name(requests[0], "OP").as_numpy()[0])
+        if op == 0:
+            pb_utils.unload_model("tadd")
+        elif op == 1:
+            pb_utils.load_model("tadd")
+        ready = pb_utils.is_model_ready("tadd")
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("READY", np.array([ready], np.bool_))]) for _ in requests]
+'''
+CONTROL_CONFIG = """
+name: "tcontrol"
+backend: "python"
+input [{ name: "OP", data_type: TYPE_INT32, dims: [ 1 ] }]
+output [{ name: "READY", data_type: TYPE_BOOL, dims: [ 1 ] }]
+"""
+
 
 def write(repo: Path, name: str, source: str, config: str | None) -> None:
     (repo / name / "1").mkdir(parents=True, exist_ok=True)
@@ -241,3 +264,4 @@ def build(repo: Path) -> None:
     write(repo, "tauto", AUTO, None)
     write(repo, "tmetrics", METRICS, METRICS_CONFIG)
     write(repo, "tenv", METRICS, ENV_CONFIG)
+    write(repo, "tcontrol", CONTROL, CONTROL_CONFIG)

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 
 from protos import grpc_service_pb2 as pb
@@ -121,6 +123,28 @@ def test_execution_env_path_is_refused_at_load_with_the_reason(served):
     index = kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest(), timeout=30)
     row = next(m for m in index.models if m.name == "tenv")
     assert row.state == "UNAVAILABLE" and "EXECUTION_ENV_PATH" in row.reason and "not supported" in row.reason
+
+
+def control(server, op: int) -> bool:
+    return bool(kserve.infer(server.channel, "tcontrol", {"OP": np.array([op], np.int32)})["READY"][0])
+
+
+def test_load_and_unload_from_model_code_follow_the_model_control_mode(served, tmp_path):
+    server, _, _ = served
+    with pytest.raises(grpc.RpcError) as refused:  # this server runs with --model-control-mode none
+        control(server, 0)
+    assert refused.value.code() == grpc.StatusCode.INTERNAL and "--model-control-mode explicit" in refused.value.details()
+    assert control(server, 2) is True
+    repo = tmp_path / "repo"
+    python_triton_models.build(repo)
+    explicit = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")
+    try:
+        assert control(explicit, 0) is False
+        assert not kserve.stub(explicit.channel).ModelReady(pb.ModelReadyRequest(name="tadd"), timeout=30).ready
+        assert control(explicit, 1) is True
+        assert kserve.stub(explicit.channel).ModelReady(pb.ModelReadyRequest(name="tadd"), timeout=30).ready
+    finally:
+        explicit.stop()
 
 
 def test_model_processes_end_with_the_server(served):
