@@ -125,6 +125,24 @@ def test_execution_env_path_is_refused_at_load_with_the_reason(served):
     assert row.state == "UNAVAILABLE" and "EXECUTION_ENV_PATH" in row.reason and "not supported" in row.reason
 
 
+def post(server, path: str, body: dict) -> str:
+    import urllib.request
+
+    request = urllib.request.Request(f"{server.http_url}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.read().decode()
+
+
+def test_tritons_http_generate_takes_inputs_by_name_and_streams_a_decoupled_model(served):
+    server, _, _ = served
+    events = [json.loads(line[len("data: "):]) for line in post(server, "/v2/models/trepeat/generate_stream",
+                                                                  {"IN": [4, 5, 6]}).splitlines() if line]
+    assert [(e["OUT"], e["IDX"]) for e in events] == [(4, 0), (5, 1), (6, 2)]
+    answer = json.loads(post(server, "/v2/models/tadd/generate", {"INPUT0": [1, 2, 3, 4], "INPUT1": [1, 1, 1, 1]}))
+    assert answer["model_name"] == "tadd" and answer["SUM"] == [2.0, 3.0, 4.0, 5.0]
+
+
 def control(server, op: int) -> bool:
     return bool(kserve.infer(server.channel, "tcontrol", {"OP": np.array([op], np.int32)})["READY"][0])
 
