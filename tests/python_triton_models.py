@@ -247,6 +247,24 @@ input [{ name: "OP", data_type: TYPE_INT32, dims: [ 1 ] }]
 output [{ name: "READY", data_type: TYPE_BOOL, dims: [ 1 ] }]
 """
 
+# is_ready(): not ready while a file named not_ready sits in its model folder.
+READY = '''
+import os
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.flag = os.path.join(args["model_repository"], "not_ready")
+
+    async def is_ready(self):
+        return not os.path.exists(self.flag)
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.get_input_tensor_by_name(r, "X")]) for r in requests]
+'''
+READY_CONFIG = METRICS_CONFIG.replace('"tmetrics"', '"tready"').replace('name: "Y"', 'name: "X"')
+
 
 def write(repo: Path, name: str, source: str, config: str | None) -> None:
     (repo / name / "1").mkdir(parents=True, exist_ok=True)
@@ -265,3 +283,4 @@ def build(repo: Path) -> None:
     write(repo, "tmetrics", METRICS, METRICS_CONFIG)
     write(repo, "tenv", METRICS, ENV_CONFIG)
     write(repo, "tcontrol", CONTROL, CONTROL_CONFIG)
+    write(repo, "tready", READY, READY_CONFIG)

@@ -66,6 +66,9 @@ class ModelRunner(RunnerBase):
         self._turn_due = False  # a turn is scheduled (call_soon) and has not run yet
         self._cut_off = False  # the drain grace ran out: dispatch nothing more
 
+    def _backends(self) -> list:
+        return [w.backend for w in self.workers]
+
     def _abandon_all(self, error: ModelUnavailableError) -> None:
         for request in list(self._admitted):
             _abandon(request, error)

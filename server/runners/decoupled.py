@@ -43,6 +43,9 @@ class DecoupledRunner(RunnerBase):
         self._streams = 0  # admitted, not yet finished
         self._stops: set[threading.Event] = set()  # one per running generator, set to stop it
 
+    def _backends(self) -> list:
+        return self.backends
+
     async def stream(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The request's responses as the model yields them; raises a FerryError if the model fails."""
         self._admit_check()

@@ -17,7 +17,7 @@ from starlette.routing import Route
 from server import __version__
 from server.config_json import config_dict
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError, UnsupportedError
-from server.frontdoor import infer_request, serving
+from server.frontdoor import infer_request, model_ready, serving
 from server.log_settings import LogControl
 from server.metrics import INFER_DURATIONS
 from server.names import capped, parse_version
@@ -81,7 +81,7 @@ class KServeRoutes:
         if not self.registry.knows(name):
             self.registry.get(name)  # raises NOT_FOUND
         try:
-            ready = self.registry.get(name, version).ready
+            ready = await model_ready(self.registry.get(name, version))
         except (ModelNotFoundError, ModelUnavailableError):  # a known model whose version cannot serve
             ready = False
         return Response(status_code=200 if ready else 400)

@@ -125,6 +125,27 @@ def test_execution_env_path_is_refused_at_load_with_the_reason(served):
     assert row.state == "UNAVAILABLE" and "EXECUTION_ENV_PATH" in row.reason and "not supported" in row.reason
 
 
+def test_is_ready_is_asked_on_every_ready_check(served):
+    import urllib.error
+    import urllib.request
+
+    server, _, repo = served
+
+    def ready() -> tuple[bool, bool]:
+        by_grpc = kserve.stub(server.channel).ModelReady(pb.ModelReadyRequest(name="tready"), timeout=30).ready
+        try:
+            by_http = urllib.request.urlopen(f"{server.http_url}/v2/models/tready/ready", timeout=30).status == 200
+        except urllib.error.HTTPError:
+            by_http = False
+        return by_grpc, by_http
+
+    assert ready() == (True, True)
+    (repo / "tready" / "not_ready").write_text("")
+    assert ready() == (False, False)
+    (repo / "tready" / "not_ready").unlink()
+    assert ready() == (True, True)
+
+
 def post(server, path: str, body: dict) -> str:
     import urllib.request
 

@@ -36,6 +36,7 @@ from server.request import InferRequest
 
 log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
+READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not ready"
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
 _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
            p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError}
@@ -118,7 +119,7 @@ class PythonBackend(Backend):
         if answer[0] == p.FAILED:
             process.stop(0)
             raise ConfigError(f"model '{self.config.name}' failed to initialize: {answer[1]}")
-        self.face = answer[1]
+        self.face, self.checks_ready = answer[1], answer[2]
         return process
 
     @property
@@ -238,6 +239,13 @@ class PythonBackend(Backend):
             code, message = reply.error
             return _ERRORS.get(code, BackendError)(message)
         return {t.name: process.view(t) for t in reply.outputs}
+
+    def is_ready(self) -> bool:
+        """Triton's is_ready(), where the model defines it; a dead process is not ready."""
+        process = self.process
+        if process is None or process.death is not None:
+            return False
+        return process.is_ready(READY_CHECK_S) if self.checks_ready else True
 
     def interrupt(self) -> None:
         """The drain grace is over: a call still in flight will not end well, so end its process now."""

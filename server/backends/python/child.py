@@ -109,6 +109,13 @@ class Host:
             with self._blocks_lock:
                 for offset in frame[1]:
                     self._blocks.free(offset)
+        elif kind == p.CHECK:
+            try:
+                ready = self.face.is_ready()
+            except BaseException as exc:  # noqa: BLE001 - a readiness check that fails says "not ready"
+                print(f"is_ready failed: {_message(exc)}", file=sys.stderr)
+                ready = False
+            self.link.send((p.CHECKED, frame[1], ready))
 
     def _called(self, ref: int, reply: p.Reply | None, final: bool) -> None:
         future, items = self._pending.get(ref, (None, None))
@@ -155,7 +162,7 @@ class Host:
         except BaseException as exc:  # noqa: BLE001 - a model that cannot start says why, and the load fails
             self.link.send((p.FAILED, _message(exc)))
             return
-        self.link.send((p.READY, self.face.kind))
+        self.link.send((p.READY, self.face.kind, self.face.checks_ready))
 
     def _auto(self, model_path: str, config_json: str) -> None:
         try:

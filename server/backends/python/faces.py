@@ -60,8 +60,16 @@ class Face:
         if hasattr(self.model, "finalize"):
             self._wait(self.model.finalize())
 
+    @property
+    def checks_ready(self) -> bool:
+        return hasattr(self.model, "is_ready")
+
     def is_ready(self) -> bool:
-        return bool(self.model.is_ready()) if hasattr(self.model, "is_ready") else True
+        """On whichever thread reads the link (model code may be running on the main thread)."""
+        ready = self.model.is_ready()
+        if inspect.isawaitable(ready):
+            ready = asyncio.new_event_loop().run_until_complete(ready)
+        return bool(ready)
 
     def _args(self, args: dict) -> dict:
         raise NotImplementedError

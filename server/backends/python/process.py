@@ -59,6 +59,7 @@ class ModelProcess:
         self._blocks_lock = threading.Lock()
         self._freed: collections.deque[int] = collections.deque()  # blocks of the child's half seen to the last view
         self.death: str | None = None  # why the process ended, once it has
+        self._checks: dict[int, queue.Queue] = {}  # is_ready() calls waiting for their answer
         self._deadlines: dict[int, int] = {}  # EXEC call -> its requests' deadline, which its BLS calls inherit
         self.proc: subprocess.Popen | None = None
         self.link: FrameSocket | None = None
@@ -152,6 +153,18 @@ class ModelProcess:
         finally:
             self._waiting.pop(call, None)
 
+    def is_ready(self, timeout_s: float) -> bool:
+        """The model's is_ready(), answered within `timeout_s` or taken as "not ready" (Triton's 5 s)."""
+        ref, answer = next(self._ids), queue.Queue()
+        self._checks[ref] = answer
+        try:
+            self._send((p.CHECK, ref))
+            return bool(answer.get(timeout=timeout_s))
+        except queue.Empty:
+            return False
+        finally:
+            self._checks.pop(ref, None)
+
     def cancel(self, call: int) -> None:
         """The stream's caller went away: tell the model (is_cancelled()), and stop waiting for it, so a
         model that never sends its final response does not hold the instance's thread."""
@@ -210,6 +223,10 @@ class ModelProcess:
             target = self._waiting.get(frame[1])
             if target is not None:
                 target.put(frame[2] if kind == p.DONE else (frame[2], frame[3]))
+        elif kind == p.CHECKED:
+            target = self._checks.get(frame[1])
+            if target is not None:
+                target.put(frame[2])
         elif kind in (p.READY, p.FAILED, p.AUTO):
             target = self._waiting.get(0)
             if target is not None:

@@ -6,7 +6,9 @@ process writes responses (and BLS calls) into the second; each side frees only i
 by a FREE frame from the side that read the block.
 
 Server -> model process:
-  INIT(args)                             load model.py, initialize(args); answered READY(face) or FAILED(message)
+  INIT(args)                             load model.py, initialize(args); answered READY(face, has is_ready) or
+                                         FAILED(message)
+  CHECK(ref)                             the model's is_ready(); answered CHECKED(ref, bool)
   AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
   EXEC(call, [Request], joined)          run execute; answered DONE(call, [Reply])
   STREAM(call, Request)                  a decoupled request; answered RESPONSE(call, Reply, final) 0..N times
@@ -19,6 +21,7 @@ Model process -> server:
   CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
   METRIC(op, family, labels, value)      custom metrics: the server owns the Prometheus families
   LOG(level, message)                    pb_utils.Logger
+  CHECKED(ref, ready)                    is_ready()'s answer
   FREE([offsets])                        blocks of the server's half the model is done with
 """
 
@@ -32,6 +35,7 @@ INIT, AUTO, EXEC, STREAM, CANCEL, CALLED, FREE, FINALIZE = (
     "init", "auto", "exec", "stream", "cancel", "called", "free", "finalize")
 READY, FAILED, DONE, RESPONSE, CALL, CONTROL, METRIC, LOG = (
     "ready", "failed", "done", "response", "call", "control", "metric", "log")
+CHECK, CHECKED = "check", "checked"
 
 TRITON, FERRY = "triton", "ferry"  # the two faces of a model.py: `class TritonPythonModel` or `class Model`
 
