@@ -106,9 +106,7 @@ class Host:
         elif kind == p.CANCEL:
             self._cancelled.add(frame[1])
         elif kind == p.FREE:
-            with self._blocks_lock:
-                for offset in frame[1]:
-                    self._blocks.free(offset)
+            self._free_ours(frame[1])
         elif kind == p.CHECK:
             try:
                 ready = self.face.is_ready()
@@ -175,7 +173,8 @@ class Host:
             return
         self.link.send((p.AUTO, json.dumps(completed.as_dict())))
 
-    def _exec(self, call: int, requests: list[p.Request]) -> None:
+    def _exec(self, call: int, requests: list[p.Request], freed: list[int]) -> None:
+        self._free_ours(freed)
         self._current = call
         built = [self._request(r, call) for r in requests]
         try:
@@ -183,9 +182,10 @@ class Host:
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
             replies = [p.Reply([], (p.INTERNAL, _message(exc)))] * len(requests)
         del built
-        self.link.send((p.DONE, call, replies))
+        self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
 
-    def _stream(self, call: int, request: p.Request) -> None:
+    def _stream(self, call: int, request: p.Request, freed: list[int]) -> None:
+        self._free_ours(freed)
         self._streaming.add(call)
         built = self._request(request, call)
         try:
@@ -258,12 +258,22 @@ class Host:
     def _free(self, offset: int) -> None:
         self._freed.append(offset)  # atomic: safe inside a garbage collection that interrupted a send
 
-    def flush_freed(self) -> None:
+    def _take_freed(self) -> list[int]:
         freed = []
         while self._freed:
             freed.append(self._freed.popleft())
-        if freed:
-            self.link.send((p.FREE, freed))
+        return freed
+
+    def flush_freed(self) -> None:
+        """After a work item: a FREE frame only when many blocks wait (the next DONE carries a few)."""
+        if len(self._freed) >= 64:
+            self.link.send((p.FREE, self._take_freed()))
+
+    def _free_ours(self, offsets: list[int]) -> None:
+        if offsets:
+            with self._blocks_lock:
+                for offset in offsets:
+                    self._blocks.free(offset)
 
     def _request(self, request: p.Request, call: int) -> pb.InferenceRequest:
         inputs = [pb.Tensor(t.name, self._view(t)) for t in request.inputs]

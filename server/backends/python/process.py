@@ -106,8 +106,10 @@ class ModelProcess:
         if deadline_ns is not None:
             self._deadlines[call] = deadline_ns
         try:
-            self._send_freed()
-            self._send((frame_kind, call, *body) if frame_kind == p.EXEC else (frame_kind, *body))
+            if frame_kind == p.EXEC:
+                self._send((frame_kind, call, *body, self._take_freed()))
+            else:
+                self._send((frame_kind, *body))
             answer = answers.get()
         finally:
             self._waiting.pop(call, None)
@@ -128,15 +130,13 @@ class ModelProcess:
         if self.death is not None:  # it died between the check and the entry: the reader may have passed it
             reply.put(ProcessDied(self.death))
             return
-        self._send_freed()
-        self._send((frame_kind, call, body))
+        self._send((frame_kind, call, body, self._take_freed()))
 
     def stream(self, request: p.Request):
         """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id."""
         call = next(self._ids)
         answers = self._wait_on(call)
-        self._send_freed()
-        self._send((p.STREAM, call, request))
+        self._send((p.STREAM, call, request, self._take_freed()))
         return call, self._answers(call, answers)
 
     def _answers(self, call: int, answers: queue.Queue):
@@ -197,15 +197,19 @@ class ModelProcess:
     def _free_theirs(self, offset: int) -> None:
         """A block of the child's half whose last view here is gone. It may run on any thread, inside a
         garbage collection that interrupted a send: so it only notes the block (deque.append is atomic),
-        and the next frame to the child is preceded by a FREE frame (`_send_freed`)."""
+        and the next EXEC or STREAM carries it (`_take_freed`)."""
         self._freed.append(offset)
 
-    def _send_freed(self) -> None:
+    def _take_freed(self) -> list[int]:
         freed = []
         while self._freed:
             freed.append(self._freed.popleft())
-        if freed:
-            self._send((p.FREE, freed))
+        return freed
+
+    def _free_ours(self, offsets: list[int]) -> None:
+        with self._blocks_lock:
+            for offset in offsets:
+                self._blocks.free(offset)
 
     # ---- the reader thread
     def _read(self) -> None:
@@ -219,6 +223,8 @@ class ModelProcess:
 
     def _frame(self, frame: tuple) -> None:
         kind = frame[0]
+        if kind == p.DONE and frame[3]:  # blocks of this side's half the child no longer reads
+            self._free_ours(frame[3])
         if kind in (p.DONE, p.RESPONSE):
             target = self._waiting.get(frame[1])
             if target is not None:
@@ -232,9 +238,7 @@ class ModelProcess:
             if target is not None:
                 target.put(frame)
         elif kind == p.FREE:
-            with self._blocks_lock:
-                for offset in frame[1]:
-                    self._blocks.free(offset)
+            self._free_ours(frame[1])
         elif kind == p.LOG:
             log.log(_LOG_LEVELS.get(frame[1], logging.INFO), "model '%s': %s", self.model, frame[2])
         else:

@@ -3,15 +3,16 @@
 Frames are tuples whose first item is the kind. Tensors are `server.ipc.tensors.Tensor` records: the
 server writes requests (and BLS answers) into the first half of the instance's arena, the model
 process writes responses (and BLS calls) into the second; each side frees only in its own half, told
-by a FREE frame from the side that read the block.
+by the side that read the block: in the `freed` list of its next EXEC, STREAM or DONE (a FREE frame
+when many wait).
 
 Server -> model process:
   INIT(args)                             load model.py, initialize(args); answered READY(face, has is_ready) or
                                          FAILED(message)
   CHECK(ref)                             the model's is_ready(); answered CHECKED(ref, bool)
   AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
-  EXEC(call, [Request], joined)          run execute; answered DONE(call, [Reply])
-  STREAM(call, Request)                  a decoupled request; answered RESPONSE(call, Reply, final) 0..N times
+  EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply], freed)
+  STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply, final) 0..N times
   CANCEL(call)                           the caller went away (is_cancelled() turns true)
   CALLED(ref, Reply | None, final)       an answer to a BLS call or a model-control call
   FREE([offsets])                        blocks of the model process's half the server is done with
