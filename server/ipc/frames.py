@@ -83,40 +83,138 @@ class FrameSocket:
     """A blocking end of a link, for threads: any thread may send (one lock), one thread receives.
 
     `recv` blocks in the kernel with the GIL released, so a thread waiting for a model process costs
-    the event loop nothing."""
+    the event loop nothing. Once no thread reads any more, `attach` hands the link to an event loop:
+    it reads with add_reader and writes without blocking (other threads' sends are passed to it), so
+    no thread hop and no GIL hand-off stand between a frame and the loop that wants it."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._lock = threading.Lock()
         self._buffer = bytearray()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by attach
+        self._loop_thread = 0
+        self._out = bytearray()  # what the loop could not write yet
+        self._closed = False
+        self._on_frame = self._on_lost = None
+
+    @property
+    def attached(self) -> bool:
+        return self._loop is not None
 
     def send(self, frame: tuple) -> None:
         data = pack(frame)
         with self._lock:
-            self.sock.sendall(data)
+            if self._loop is None:
+                self.sock.sendall(data)
+                return
+        if threading.get_ident() == self._loop_thread:
+            self._write(data)
+        else:
+            self._loop.call_soon_threadsafe(self._write, data)
 
     def recv(self) -> tuple | None:
-        """The next frame, or None once the other end has closed (EOF)."""
+        """The next frame, or None once the other end has closed (EOF). Threads only, before `attach`."""
         buffer = self._buffer
         while True:
-            if len(buffer) >= 4:
-                (size,) = _LENGTH.unpack_from(buffer, 0)
-                if len(buffer) - 4 >= size:
-                    frame = pickle.loads(memoryview(buffer)[4 : 4 + size])
-                    del buffer[: 4 + size]
-                    return frame
+            frame = self._next_frame()
+            if frame is not None:
+                return frame
             try:
-                chunk = self.sock.recv(max(1 << 16, 4 + _LENGTH.unpack_from(buffer, 0)[0] - len(buffer))
-                                       if len(buffer) >= 4 else 1 << 16)
+                chunk = self.sock.recv(1 << 16)
             except OSError:
                 return None
             if not chunk:
                 return None
             buffer += chunk
 
-    def close(self) -> None:
+    def _next_frame(self) -> tuple | None:
+        buffer = self._buffer
+        if len(buffer) >= 4:
+            (size,) = _LENGTH.unpack_from(buffer, 0)
+            if len(buffer) - 4 >= size:
+                frame = pickle.loads(memoryview(buffer)[4 : 4 + size])
+                del buffer[: 4 + size]
+                return frame
+        return None
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_frame, on_lost) -> None:
+        """On `loop`'s thread, once no thread reads: from now on the loop reads (`on_frame(frame)` for
+        each, `on_lost()` at EOF) and writes."""
+        with self._lock:
+            self.sock.setblocking(False)
+            self._loop, self._loop_thread = loop, threading.get_ident()
+            self._on_frame, self._on_lost = on_frame, on_lost
+        loop.add_reader(self.sock.fileno(), self._readable)
+        self._deliver()  # frames that arrived with the last one a thread read
+
+    def _readable(self) -> None:
+        try:
+            chunk = self.sock.recv(1 << 18)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._lose()
+            return
+        self._buffer += chunk
+        self._deliver()
+
+    def _deliver(self) -> None:
+        while not self._closed and (frame := self._next_frame()) is not None:
+            self._on_frame(frame)
+
+    def _write(self, data: bytes) -> None:
+        if self._closed:
+            return
+        if self._out:
+            self._out += data
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._lose()
+            return
+        if sent < len(data):
+            self._out += data[sent:]
+            self._loop.add_writer(self.sock.fileno(), self._writable)
+
+    def _writable(self) -> None:
+        try:
+            sent = self.sock.send(self._out)
+        except BlockingIOError:
+            return
+        except OSError:
+            self._lose()
+            return
+        del self._out[:sent]
+        if not self._out:
+            self._loop.remove_writer(self.sock.fileno())
+
+    def _lose(self) -> None:
+        if not self._closed:
+            self._close_now()
+            self._on_lost()
+
+    def _close_now(self) -> None:
+        if self._loop is not None and not self._closed:
+            self._loop.remove_reader(self.sock.fileno())
+            self._loop.remove_writer(self.sock.fileno())
+        self._closed = True
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
+
+    def close(self) -> None:
+        if self._loop is None or threading.get_ident() == self._loop_thread:
+            self._close_now()
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._close_now)
+        except RuntimeError:  # the loop is closed: nothing reads or writes any more
+            self._closed = True
+            self.sock.close()

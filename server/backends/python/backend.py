@@ -16,6 +16,7 @@ effect on RepositoryModelLoad or a repository poll.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -171,7 +172,12 @@ class PythonBackend(Backend):
         """Whether `send_requests` may be used now: the process is up and idle (else the instance thread
         takes the batch, starting a new process first if it must)."""
         process = self.process
-        return process is not None and process.death is None
+        if process is None or process.death is not None:
+            return False
+        if not process.on_loop:  # the first batches go through the instance thread while the loop takes over
+            process.hand_over(asyncio.get_running_loop())
+            return False
+        return True
 
     def send_requests(self, requests: list[InferRequest], inputs: list[dict[str, np.ndarray]], answered) -> None:
         """On the event loop: send the batch's requests (tensors written once into the arena) and return;

@@ -107,6 +107,8 @@ class Host:
             self._cancelled.add(frame[1])
         elif kind == p.FREE:
             self._free_ours(frame[1])
+        elif kind == p.HANDOVER:
+            self.link.send((p.HANDOVER,))
         elif kind == p.CHECK:
             try:
                 ready = self.face.is_ready()

@@ -66,6 +66,7 @@ class ModelProcess:
         self.arena: Arena | None = None
         self._blocks: Allocator | None = None
         self._reader: threading.Thread | None = None
+        self._loop = None  # the event loop the link is handed to (hand_over)
 
     @property
     def pid(self) -> int | None:
@@ -212,14 +213,38 @@ class ModelProcess:
                 self._blocks.free(offset)
 
     # ---- the reader thread
+    def hand_over(self, loop) -> None:
+        """On the event loop: have the link read and written by the loop from now on (the reader thread
+        stops at the child's HANDOVER echo, so exactly one of them ever reads)."""
+        if self._loop is None and self.death is None:
+            self._loop = loop
+            self._send((p.HANDOVER,))
+
+    @property
+    def on_loop(self) -> bool:
+        return self.link is not None and self.link.attached
+
     def _read(self) -> None:
         link = self.link
         while (frame := link.recv()) is not None:
-            try:
-                self._frame(frame)
-            except Exception:  # one bad frame must not stop the model's answers
-                log.exception("model '%s': a frame from its process could not be handled", self.model)
+            if frame[0] == p.HANDOVER:
+                try:
+                    self._loop.call_soon_threadsafe(link.attach, self._loop, self._handle, self._lost)
+                    return
+                except RuntimeError:  # the loop is gone (the server is stopping): keep reading here
+                    continue
+            self._handle(frame)
         self._died()
+
+    def _handle(self, frame: tuple) -> None:
+        try:
+            self._frame(frame)
+        except Exception:  # one bad frame must not stop the model's answers
+            log.exception("model '%s': a frame from its process could not be handled", self.model)
+
+    def _lost(self) -> None:
+        """On the loop: the link closed. Waiting for the process's status may take a moment: a thread does."""
+        threading.Thread(target=self._died, name=f"ferry-{self.model}-exit", daemon=True).start()
 
     def _frame(self, frame: tuple) -> None:
         kind = frame[0]

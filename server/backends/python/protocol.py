@@ -17,6 +17,7 @@ Server -> model process:
   CALLED(ref, Reply | None, final)       an answer to a BLS call or a model-control call
   FREE([offsets])                        blocks of the model process's half the server is done with
   FINALIZE()                             finalize() and exit
+  HANDOVER()                             echoed at once: the server's event loop reads the link after it
 Model process -> server:
   CALL(ref, Call, call)                  BLS: run a request on another model's runner (for EXEC `call`)
   CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
@@ -36,7 +37,7 @@ INIT, AUTO, EXEC, STREAM, CANCEL, CALLED, FREE, FINALIZE = (
     "init", "auto", "exec", "stream", "cancel", "called", "free", "finalize")
 READY, FAILED, DONE, RESPONSE, CALL, CONTROL, METRIC, LOG = (
     "ready", "failed", "done", "response", "call", "control", "metric", "log")
-CHECK, CHECKED = "check", "checked"
+CHECK, CHECKED, HANDOVER = "check", "checked", "handover"
 
 TRITON, FERRY = "triton", "ferry"  # the two faces of a model.py: `class TritonPythonModel` or `class Model`
 
