@@ -59,6 +59,9 @@ class Worker:
                 inputs, pad_count = None, PadCount()
             else:
                 inputs, pad_count = self.assembler.gather(batch)
+                if getattr(self.backend, "can_send", None) is not None and self.backend.can_send():
+                    self._send_joined(loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0)
+                    return done
             self._thread.submit(self._run, loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             done.set_exception(exc)
@@ -111,6 +114,31 @@ class Worker:
 
         self.backend.send_requests(batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs
                                                     for r in batch.requests], answered)
+
+    def _send_joined(self, loop, done: asyncio.Future, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount,
+                     input_ns: int) -> None:
+        """`_send` for a backend that takes the batch joined (Ferry's `class Model` in a model process)."""
+        reshape, t1 = self.signature.reshape, time.monotonic_ns()
+
+        def answered(outputs) -> None:
+            try:
+                if isinstance(outputs, Exception):
+                    raise outputs
+                outputs = reshape.outputs(outputs, self.signature.model) if reshape else outputs
+                t2 = time.monotonic_ns()
+                self._check(outputs)
+                split = self.assembler.split(batch, outputs)
+                result, error = BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count), None
+            except FerryError as exc:
+                result, error = None, exc
+            except Exception as exc:  # noqa: BLE001 - a model failure fails its own batch, never the server
+                result, error = None, BackendError(f"model '{self.signature.model}' failed: {exc}")
+            try:
+                loop.call_soon_threadsafe(_settle, done, result, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+        self.backend.send_joined(reshape.inputs(inputs) if reshape else inputs, answered)
 
     def _execute_requests(self, batch: Batch, input_ns: int) -> BatchResult:
         """A backend that takes the batch's requests as they came (Triton's Python models) answers each

@@ -62,9 +62,9 @@ class PythonBackend(Backend):
 
     @property
     def depth(self) -> int:
-        """Batches in flight per instance: Triton's models take two (the process runs one, the next is
-        already there), so a batch's round trip is not paid between batches."""
-        return 2 if self.per_request else 1
+        """Batches in flight per instance: two (the process runs one, the next is already there), so a
+        batch's round trip is not paid between batches."""
+        return 2
 
     @classmethod
     def cuda_devices(cls) -> int:
@@ -194,6 +194,20 @@ class PythonBackend(Backend):
                 answered([self._outputs(process, reply) for reply in replies])
 
         process.send(p.EXEC, sent, replied, _deadline(requests))
+
+    def send_joined(self, inputs: dict[str, np.ndarray], answered) -> None:
+        """`send_requests` for Ferry's `class Model`: the batch joined, one execute; `answered(outputs or
+        error)`."""
+        process = self.process
+        request = p.Request("", [process.put(n, a) for n, a in inputs.items()], (), {})
+        self._in_flight += 1
+
+        def replied(replies) -> None:
+            self._in_flight -= 1
+            answered(ModelUnavailableError(str(replies)) if isinstance(replies, ProcessDied)
+                     else self._outputs(process, replies[0]))
+
+        process.send(p.EXEC, [request], replied)
 
     def _ask(self, process: ModelProcess, sent: list[p.Request], deadline_ns: int | None = None) -> list:
         self._in_flight += 1
