@@ -238,6 +238,7 @@ def main() -> None:
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     add, spin = [], []
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         systems = [("ferry, model processes", common.ROOT, True)]
         if args.before is not None:
@@ -268,7 +269,10 @@ def main() -> None:
             + common.table(add, ["server", "model", "concurrency", "req/s", "p99 ms", "errors"])
             + "\n\nA light ONNX model (8 callers) alone and beside a Python model spinning ~200 ms per call (2 callers):\n\n"
             + common.table(spin, ["server", "light model", "alone req/s", "alone p99 ms", "beside req/s", "beside p99 ms", "kept", "p99 x"])
-            + ("" if args.triton else "\n\nTriton's Python backend: not measured in this run (--triton).") + "\n")
+            + ("" if args.triton else "\n\nTriton's Python backend: not measured in this run (--triton).")
+            + f"\n\nMachine load average (1 min) at the start and end of the run: {load_before:.1f}, "
+              f"{os.getloadavg()[0]:.1f}. Systems ran one after another, not interleaved: on a shared machine "
+              "compare within a row (alone / beside) more than across systems.\n")
     print(body)
     if not args.no_record:
         common.append_results("Python models in processes of their own (bench/python_backend.py)", body)
