@@ -32,7 +32,6 @@ class Worker:
         self.signature = signature
         self.assembler: Assembler = assembler_for(signature)  # plain or padded, fixed at load
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self.depth = getattr(backend, "depth", 1)  # batches it may hold at once (the runner's slots for it)
 
     def start(self, batch: Batch) -> asyncio.Future[BatchResult]:
         """Assemble the batch and hand it to the instance's thread now, from the event loop.

@@ -55,10 +55,7 @@ class ModelRunner(RunnerBase):
         self._loop_load = loop_load  # the front end's busy share, handed to the scheduler at every cut
         self.workers = workers
         self._order = ResponseOrder() if preserve_ordering else None
-        # A worker whose backend runs elsewhere may take more than one batch at a time (`depth`: a model
-        # process queues the next batch while it runs one, so its round trip is not paid between batches).
-        self._idle = [w for w in workers for _ in range(w.depth)]
-        self._slots = len(self._idle)
+        self._idle = list(workers)
         self._running: set[asyncio.Task] = set()
         self._admitted: set[InferRequest] = set()  # queued or running, not yet answered
         self._timer: asyncio.TimerHandle | None = None  # set for the scheduler's next event
@@ -126,7 +123,7 @@ class ModelRunner(RunnerBase):
         """Runs the turns nothing else runs (start, drain) and ends once drained; arrivals, the timer
         and freed instances have theirs run without it (_turn_soon, _release)."""
         try:
-            while self._accepting or len(self.scheduler) or len(self._idle) < self._slots:
+            while self._accepting or len(self.scheduler) or len(self._idle) < len(self.workers):
                 self._turn(time.monotonic_ns())
                 self._wake.clear()
                 await self._wake.wait()

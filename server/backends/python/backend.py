@@ -60,11 +60,6 @@ class PythonBackend(Backend):
     def per_request(self) -> bool:
         return self.face == p.TRITON
 
-    @property
-    def depth(self) -> int:
-        """Batches in flight per instance: two (the process runs one, the next is already there), so a
-        batch's round trip is not paid between batches."""
-        return 2
 
     @classmethod
     def cuda_devices(cls) -> int:
@@ -169,10 +164,12 @@ class PythonBackend(Backend):
         return self._ask(process, sent, _deadline(requests))
 
     def can_send(self) -> bool:
-        """Whether `send_requests` may be used now: the process is up and idle (else the instance thread
-        takes the batch, starting a new process first if it must)."""
+        """Whether `send_requests` may be used now: the process is up, idle and read by the loop (else the
+        instance thread takes the batch, starting a new process first if it must). One batch at a time per
+        instance, as for every backend: the next waits in the model's queue, where deadlines, priorities
+        and cancellation still reach it."""
         process = self.process
-        if process is None or process.death is not None:
+        if process is None or process.death is not None or self._in_flight:
             return False
         if not process.on_loop:  # the first batches go through the instance thread while the loop takes over
             process.hand_over(asyncio.get_running_loop())
