@@ -22,7 +22,6 @@ from server.metrics import FrontDoorRequests, TraceCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
 from server.access import GRPC_HEADER_PREFIX, AccessPolicy, Restriction, restriction_table
-from server.model_control import ModelControl
 from server.rpc.auth import AccessCheck
 from server.rpc.drain import DrainGate
 from server.rpc.generate_servicer import GenerationServicer, generation_service
@@ -86,7 +85,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     grpc_access = AccessPolicy(config.tokens, restriction_table(list(config.grpc_restricted), GRPC_HEADER_PREFIX))
     http_access = AccessPolicy(config.tokens, restriction_table(list(config.http_restricted)))
     interceptors = [AccessCheck(grpc_access), gate] if grpc_access.enabled else [gate]
-    control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
+    control = engine.control
     # system shared memory regions clients register (only with --allow-shared-memory); released at shutdown
     regions = SharedMemoryRegistry(allow_register=config.allow_shared_memory)
     stop = asyncio.Event()

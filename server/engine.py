@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
+from server.custom_metrics import CustomMetrics
 from server.defaults import max_model_queued_bytes, max_queued_bytes
 from server.generation_metrics import GenerationFamilies
 from server.loop_load import LoopLoad
-from server.metrics import CacheCollector, Histograms, StatsCollector
+from server.metrics import CacheCollector, Histograms, ModelProcessRestarts, StatsCollector
+from server.model_control import ModelControl
 from server.repository.registry import Registry
 from server.response_cache import ResponseCache
 from server.runners.factory import RunnerFactory
@@ -36,6 +38,7 @@ class Engine:
     registry: Registry
     loop_load: LoopLoad
     server_budget: ByteBudget
+    control: ModelControl  # load / unload as the server's mode allows: for both doors and for model code
 
     async def load(self, config: ServerConfig) -> None:
         """Load the start-up models: all of them, or with explicit model control only `--load-model`'s."""
@@ -72,9 +75,14 @@ def build_engine(config: ServerConfig) -> Engine:
     if cache is not None:
         log.info("response cache: %.1f MiB for models with response_cache enabled", cache.capacity / 2**20)
         prom.register(CacheCollector(cache))
+    custom_metrics = CustomMetrics()  # what Python models declare with pb_utils.MetricFamily
+    prom.register(custom_metrics)
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget,
-                            model_bytes, loop_load=loop_load, response_cache=cache)
+                            model_bytes, loop_load=loop_load, response_cache=cache, restarts=ModelProcessRestarts(prom),
+                            custom_metrics=custom_metrics)
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
-    factory.models.bind(registry.get)  # ensembles find their step models at call time
+    factory.models.bind(registry.get)  # ensembles and BLS calls find their models at call time
+    control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
+    factory.control.bind(control)  # pb_utils.load_model / unload_model, under the same mode as the doors
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))
-    return Engine(prom, registry, loop_load, server_budget)
+    return Engine(prom, registry, loop_load, server_budget, control)

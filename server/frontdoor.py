@@ -65,3 +65,9 @@ def infer_request(mv: ModelVersion, inputs: dict[str, np.ndarray], requested: tu
         arrival_ns=arrival_ns, length=mv.signature.length(inputs), cost=float(cost),
         nbytes=sum(a.nbytes for a in inputs.values()) if nbytes is None else nbytes,
     )
+
+
+async def model_ready(mv: ModelVersion) -> bool:
+    """Ready to serve: loaded and ready, and ready by the model's own check where it has one (is_ready)."""
+    check = getattr(mv.runner, "model_ready", None) if mv.ready else None
+    return mv.ready and (check is None or await check())

@@ -349,3 +349,16 @@ class FrontDoorRequests:
 
         self.http = PromCounter("ferry_http_requests", "HTTP requests answered, by endpoint and status",
                                 ("endpoint", "status"), registry=registry)
+
+
+class ModelProcessRestarts:
+    """Python model processes started again after they died (server/backends/python/): by model and version."""
+
+    def __init__(self, registry: CollectorRegistry):
+        from prometheus_client import Counter as PromCounter
+
+        self.counter = PromCounter("ferry_model_process_restarts", "Python model processes started again after "
+                                   "their process died (crash, kill, os._exit)", _LABELS, registry=registry)
+
+    def restarted(self, model: str, version: int) -> None:
+        self.counter.labels(model, str(version)).inc()

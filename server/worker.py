@@ -19,7 +19,7 @@ from server.signature import Signature
 
 @dataclass(slots=True)
 class BatchResult:
-    outputs: list[dict[str, np.ndarray]]  # one per request, in batch order
+    outputs: list[dict[str, np.ndarray] | FerryError]  # one per request, in batch order; an error fails that one
     input_ns: int
     infer_ns: int
     output_ns: int
@@ -54,7 +54,16 @@ class Worker:
         done = loop.create_future()
         t0 = time.monotonic_ns()
         try:
-            inputs, pad_count = self.assembler.gather(batch)
+            if getattr(self.backend, "per_request", False):  # the backend answers each request alone
+                if self.backend.can_send():
+                    self._send(loop, done, batch)
+                    return done
+                inputs, pad_count = None, PadCount()
+            else:
+                inputs, pad_count = self.assembler.gather(batch)
+                if getattr(self.backend, "can_send", None) is not None and self.backend.can_send():
+                    self._send_joined(loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0)
+                    return done
             self._thread.submit(self._run, loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0, t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             done.set_exception(exc)
@@ -74,6 +83,8 @@ class Worker:
 
     def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int,
                  t0: int = 0) -> BatchResult:
+        if inputs is None:
+            return self._execute_requests(batch, input_ns)
         t1 = time.monotonic_ns()
         try:
             reshape = self.signature.reshape
@@ -89,18 +100,96 @@ class Worker:
         split = self.assembler.split(batch, outputs)
         return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count, t0, t1)
 
-    def _check(self, outputs: dict[str, np.ndarray]) -> None:
-        for name, spec in self.signature.outputs.items():
-            value = outputs.get(name)
+    def _send(self, loop, done: asyncio.Future, batch: Batch) -> None:
+        """A backend that runs elsewhere (a model process) and is ready takes the batch from the loop, and
+        its answer settles the future from wherever it arrives: no hop through the instance's thread,
+        which only a backend that must first be (re)started needs."""
+        reshape, t1 = self.signature.reshape, time.monotonic_ns()
+
+        def answered(answers: list) -> None:
+            try:
+                result, error = self._answers(batch, answers, t1, time.monotonic_ns()), None
+            except Exception as exc:  # noqa: BLE001 - reported through the batch's future
+                result, error = None, exc
+            try:
+                loop.call_soon_threadsafe(_settle, done, result, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+        self.backend.send_requests(batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs
+                                                    for r in batch.requests], answered)
+
+    def _send_joined(self, loop, done: asyncio.Future, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount,
+                     input_ns: int) -> None:
+        """`_send` for a backend that takes the batch joined (Ferry's `class Model` in a model process)."""
+        reshape, t1 = self.signature.reshape, time.monotonic_ns()
+
+        def answered(outputs) -> None:
+            try:
+                if isinstance(outputs, Exception):
+                    raise outputs
+                outputs = reshape.outputs(outputs, self.signature.model) if reshape else outputs
+                t2 = time.monotonic_ns()
+                self._check(outputs)
+                split = self.assembler.split(batch, outputs)
+                result, error = BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count), None
+            except FerryError as exc:
+                result, error = None, exc
+            except Exception as exc:  # noqa: BLE001 - a model failure fails its own batch, never the server
+                result, error = None, BackendError(f"model '{self.signature.model}' failed: {exc}")
+            try:
+                loop.call_soon_threadsafe(_settle, done, result, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+        self.backend.send_joined(reshape.inputs(inputs) if reshape else inputs, answered)
+
+    def _execute_requests(self, batch: Batch, input_ns: int) -> BatchResult:
+        """A backend that takes the batch's requests as they came (Triton's Python models) answers each
+        alone: an error or a malformed answer fails its own request, never the others."""
+        reshape = self.signature.reshape
+        t1 = time.monotonic_ns()
+        answers = self.backend.execute_requests(
+            batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs for r in batch.requests])
+        result = self._answers(batch, answers, t1, time.monotonic_ns())
+        result.input_ns = input_ns
+        return result
+
+    def _answers(self, batch: Batch, answers: list, t1: int, t2: int) -> BatchResult:
+        reshape = self.signature.reshape
+        if len(answers) != len(batch.requests):
+            raise BackendError(f"model '{self.signature.model}' answered {len(answers)} of {len(batch.requests)} requests")
+        checked = []
+        for request, answer in zip(batch.requests, answers):
+            if not isinstance(answer, FerryError):
+                try:
+                    answer = reshape.outputs(answer, self.signature.model) if reshape else answer
+                    self._check(answer, request.requested_outputs, strict_types=False)
+                except FerryError as exc:
+                    answer = exc
+            checked.append(answer)
+        return BatchResult(checked, 0, t2 - t1, time.monotonic_ns() - t2)
+
+    def _check(self, outputs: dict[str, np.ndarray], names: tuple[str, ...] = (), strict_types: bool = True) -> None:
+        """Every output asked for is there; with `strict_types`, in the declared datatype. Triton's Python
+        models are not held to it (Triton answers with the dtype the model made, and its examples rely on
+        that: a declared INT32 sum made as numpy's default int64)."""
+        for name in names or self.signature.outputs:
+            spec, value = self.signature.outputs[name], outputs.get(name)
             if value is None:
                 raise BackendError(f"model '{self.signature.model}' did not produce output '{name}'")
-            if spec.datatype.api != "BYTES" and value.dtype != spec.datatype.numpy:
+            if strict_types and spec.datatype.api != "BYTES" and value.dtype != spec.datatype.numpy:
                 raise BackendError(
                     f"model '{self.signature.model}' produced output '{name}' as {value.dtype}; "
                     f"the config declares {spec.datatype.config}"
                 )
 
     def close(self) -> None:
+        """After the drain grace: a backend that can end a run in flight (a model process) does, so the
+        thread's shutdown never waits on a model that does not return."""
+        interrupt = getattr(self.backend, "interrupt", None)
+        if interrupt is not None:
+            interrupt()
         self._thread.shutdown(wait=True)
         self.backend.unload()
 

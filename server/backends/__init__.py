@@ -11,7 +11,7 @@ from server.errors import ConfigError
 _BACKENDS = {
     "onnxruntime": "server.backends.onnx_runtime:OnnxRuntimeBackend",
     "pytorch": "server.backends.pytorch:TorchBackend",
-    "python": "server.backends.python_model:PythonBackend",
+    "python": "server.backends.python.backend:PythonBackend",
     "llm": "server.backends.llm.engine:LLMBackend",
     "vllm": "server.backends.llm.vllm_folder:VllmFolderBackend",  # Triton's vLLM folders: <version>/model.json
 }

@@ -39,6 +39,7 @@ class Backend(ABC):
     bytes_as_text: bool = False
     runs_batches: bool = True  # execute() takes a batch of inputs (False: a token-step engine); model_warmup needs it
     instance: int = 0  # index among its model version's instances (0..count-1), set by the loader
+    checks_ready: bool = False  # is_ready() asks the model (on a thread: it may block); else always ready
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
         self.config = config
@@ -61,6 +62,10 @@ class Backend(ABC):
     @abstractmethod
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run one batch; return every output declared in the config, keyed by name."""
+
+    def is_ready(self) -> bool:
+        """The model's own readiness, asked on every ready check where `checks_ready` (e.g. Triton's is_ready)."""
+        return True
 
     def unload(self) -> None:
         """Release the model's memory."""

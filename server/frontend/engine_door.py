@@ -13,18 +13,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import weakref
 from pathlib import Path
 
 import numpy as np
 
-from server import datatypes, tensors
 from server.drain import SHUTTING_DOWN, Drain
 from server.errors import FerryError, ModelUnavailableError
 from server.frontdoor import infer_request, serving
 from server.frontend import messages as m
-from server.frontend.arena import Allocator, Arena
-from server.frontend.frames import FrameLink
+from server.ipc.arena import Allocator, Arena
+from server.ipc import tensors as ipc_tensors
+from server.ipc.frames import FrameLink
 from server.names import capped
 from server.repository.registry import Registry
 from server.rpc.errors import status_of
@@ -180,16 +179,7 @@ class _Link:
         return inputs
 
     def _input(self, tensor: m.Tensor) -> np.ndarray:
-        dtype = datatypes.BY_API[tensor.datatype]
-        if tensor.offset is None:
-            return tensors.from_raw(tensor.name, dtype, tensor.shape, tensor.data)
-        array = tensors.from_raw(tensor.name, dtype, tensor.shape,
-                                 self.arena.view[tensor.offset : tensor.offset + tensor.nbytes])
-        if array.dtype == object:  # BYTES elements are copies already
-            self._free(tensor.offset)
-        else:
-            weakref.finalize(_root(array), self._free, tensor.offset).atexit = False  # no loop is left at exit
-        return array
+        return ipc_tensors.view(tensor, self.arena, self._free)
 
     def _free_blocks(self, sent: list[m.Tensor]) -> None:
         """Blocks no array was made from (a call refused before its inputs were read)."""
@@ -214,17 +204,7 @@ class _Link:
 
     def _answer(self, name: str, array: np.ndarray) -> m.Tensor:
         """One output, written once into the answer half (inline when it does not fit)."""
-        api = datatypes.from_numpy(array.dtype).api
-        raw = tensors.to_raw(array) if array.dtype.kind in "OSU" else None
-        nbytes = len(raw) if raw is not None else array.nbytes
-        offset = self.answers.allocate(nbytes) if self.answers is not None and nbytes else None
-        if offset is None:
-            return m.Tensor(name, api, array.shape, nbytes, None, raw if raw is not None else array.tobytes())
-        if raw is not None:
-            self.arena.view[offset : offset + nbytes] = raw
-        else:
-            np.ndarray(array.shape, array.dtype, buffer=self.arena.mapping, offset=offset)[...] = array
-        return m.Tensor(name, api, array.shape, nbytes, offset)
+        return ipc_tensors.put(name, array, self.arena, self.answers)
 
 
 class _Refused(FerryError):
@@ -234,10 +214,3 @@ class _Refused(FerryError):
         super().__init__(message)
         self.status = status
 
-
-def _root(array: np.ndarray):
-    """The object every numpy view of `array` keeps alive: its data's first non-array owner."""
-    root = array
-    while isinstance(root, np.ndarray):
-        root = root.base
-    return root

@@ -20,8 +20,8 @@ from protos import grpc_service_pb2 as pb
 from server import shared_memory, tensors
 from server.errors import FerryError, InvalidInputError
 from server.frontend import messages as m
-from server.frontend.arena import Allocator, Arena
-from server.frontend.frames import FrameLink
+from server.ipc.arena import Allocator, Arena
+from server.ipc.frames import FrameLink
 from server.names import capped
 from server.rpc import codec
 from server.rpc.errors import status_of

@@ -1,4 +1,4 @@
-"""The records that cross the front end <-> engine link (server/frontend/frames.py carries them).
+"""The records that cross the front end <-> engine link (server/ipc/frames.py carries them).
 
 NamedTuples: they pickle as tuples (a few hundred bytes, a few microseconds) and still read by name.
 A tensor is either in the arena (`offset` set, `data` None) or inline (`data` its raw KServe bytes).
@@ -9,19 +9,12 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from server.ipc.tensors import Tensor
+
 # Frame kinds. Front end -> engine: HELLO(index, pid), INFER(InferCall), CANCEL(rid), FREE(offsets in the
 # answer half). Engine -> front end: DONE(rid, version, [Tensor]), ERROR(rid, status name, message),
 # FREE(offsets in the request half whose last numpy view is gone), STOP(grace_s: drain is over, stop serving).
 HELLO, INFER, CANCEL, FREE, DONE, ERROR, STOP = "hello", "infer", "cancel", "free", "done", "error", "stop"
-
-
-class Tensor(NamedTuple):
-    name: str
-    datatype: str  # the KServe datatype, e.g. "FP32"
-    shape: tuple[int, ...]
-    nbytes: int
-    offset: int | None = None  # where in the arena, or None: inline
-    data: bytes | None = None
 
 
 class InferCall(NamedTuple):

@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 
 from server import event_loop
-from server.frontend.arena import Arena
+from server.ipc.arena import Arena
 from server.frontend.infer import METHOD, EngineLink, FrontInfer
 from server.frontend.proxy import Relay
 from server.access import AccessPolicy

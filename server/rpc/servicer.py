@@ -9,7 +9,7 @@ from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__, classification
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
-from server.frontdoor import infer_request, serving
+from server.frontdoor import infer_request, model_ready, serving
 from server.log_settings import LogControl
 from server.model_control import ModelControl
 from server.metrics import INFER_DURATIONS
@@ -75,7 +75,7 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
                 return pb.ModelReadyResponse(ready=False)
             self.registry.get(request.name)  # raises NOT_FOUND
         try:
-            return pb.ModelReadyResponse(ready=self.registry.get(request.name, request.version).ready)
+            return pb.ModelReadyResponse(ready=await model_ready(self.registry.get(request.name, request.version)))
         except (ModelNotFoundError, ModelUnavailableError):  # a known model whose version cannot serve
             return pb.ModelReadyResponse(ready=False)
 

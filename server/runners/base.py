@@ -89,6 +89,16 @@ class RunnerBase:
         await drain(self._task, grace_s)
         await self._shutdown()
 
+    async def model_ready(self) -> bool:
+        """Ready as far as its backends' own checks say (Triton's is_ready, asked on threads: it may block)."""
+        checked = [b for b in self._backends() if b.checks_ready]
+        if not checked:
+            return True
+        return all(await asyncio.gather(*(asyncio.to_thread(b.is_ready) for b in checked)))
+
+    def _backends(self) -> list:
+        return []
+
     async def _loop(self) -> None:
         raise NotImplementedError
 

@@ -65,6 +65,9 @@ class ModelRunner(RunnerBase):
         self._turn_due = False  # a turn is scheduled (call_soon) and has not run yet
         self._cut_off = False  # the drain grace ran out: dispatch nothing more
 
+    def _backends(self) -> list:
+        return [w.backend for w in self.workers]
+
     def _abandon_all(self, error: ModelUnavailableError) -> None:
         for request in list(self._admitted):
             _abandon(request, error)
@@ -254,11 +257,14 @@ class ModelRunner(RunnerBase):
                 batch_ran(traced, self.name, part.size, len(part.requests), result.padding.padded, worker.name, result)
             if self._order is None:  # nothing to keep in order: set each answer now, no closure per request
                 for request, outputs in zip(part.requests, result.outputs):
-                    if not request.future.done():
+                    if isinstance(outputs, FerryError):  # a backend that answers requests alone failed this one
+                        self._fail(request, outputs)
+                    elif not request.future.done():
                         request.future.set_result(outputs)
             else:
                 for request, outputs in zip(part.requests, result.outputs):
-                    self._finish(request, _setter(request, outputs))
+                    self._finish(request, _setter(request, error=outputs) if isinstance(outputs, FerryError)
+                                 else _setter(request, outputs))
         for request, error in outcome.failed:
             if not outcome.reruns:
                 log.warning("model '%s' request failed: %s", self.name, error.message)

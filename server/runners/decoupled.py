@@ -43,6 +43,9 @@ class DecoupledRunner(RunnerBase):
         self._streams = 0  # admitted, not yet finished
         self._stops: set[threading.Event] = set()  # one per running generator, set to stop it
 
+    def _backends(self) -> list:
+        return self.backends
+
     async def stream(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The request's responses as the model yields them; raises a FerryError if the model fails."""
         self._admit_check()
@@ -73,7 +76,7 @@ class DecoupledRunner(RunnerBase):
             loop.call_soon_threadsafe(responses.put_nowait, item)
 
         started = time.monotonic_ns()
-        running = loop.run_in_executor(self._threads[instance], self._produce, instance, request.inputs, put, stop)
+        running = loop.run_in_executor(self._threads[instance], self._produce, instance, request, put, stop)
         running.add_done_callback(lambda _: self._idle.put_nowait(instance))  # free once its thread is
         try:
             while (item := await responses.get()) is not _DONE:
@@ -81,17 +84,25 @@ class DecoupledRunner(RunnerBase):
                     raise item
                 yield item
         finally:
-            stop.set()
+            self._stop(instance, stop)
             self._stops.discard(stop)
         self.stats.record_batch(request.batch_size, 1, 0, time.monotonic_ns() - started, 0)
 
-    def _produce(self, instance: int, inputs: dict[str, np.ndarray], put, stop: threading.Event) -> None:
+    def _stop(self, instance: int, stop: threading.Event) -> None:
+        """The stream is over for its caller: stop the generator, and tell the model (is_cancelled())."""
+        if not stop.is_set():
+            stop.set()
+            cancel = getattr(self.backends[instance], "cancel", None)
+            if cancel is not None:
+                cancel()
+
+    def _produce(self, instance: int, request: InferRequest, put, stop: threading.Event) -> None:
         """On the instance's thread: run the generator, hand each response to the loop."""
         try:
-            for outputs in self.backends[instance].responses(inputs):
+            for outputs in self.backends[instance].responses(request, stop):
                 if stop.is_set():
                     return
-                put(self._checked(outputs))
+                put(self._checked(outputs, not getattr(self.backends[instance], "per_request", False)))
         except FerryError as exc:
             put(exc)
         except Exception as exc:  # noqa: BLE001 - a model's failure fails its own request
@@ -99,14 +110,16 @@ class DecoupledRunner(RunnerBase):
         finally:
             put(_DONE)
 
-    def _checked(self, outputs: dict) -> dict[str, np.ndarray]:
+    def _checked(self, outputs: dict, strict_types: bool = True) -> dict[str, np.ndarray]:
+        """Declared outputs only; with `strict_types` in their declared datatype (Triton's Python models
+        answer in the dtype they made, as in Triton)."""
         checked = {}
         for name, value in outputs.items():
             spec = self.signature.outputs.get(name)
             if spec is None:
                 raise BackendError(f"model '{self.name}' sent output '{name}', which its config does not declare")
             array = np.asarray(value)
-            if spec.datatype.api != "BYTES" and array.dtype != spec.datatype.numpy:
+            if strict_types and spec.datatype.api != "BYTES" and array.dtype != spec.datatype.numpy:
                 raise BackendError(f"model '{self.name}' sent output '{name}' as {array.dtype}; "
                                    f"the config declares {spec.datatype.config}")
             checked[name] = array
@@ -124,6 +137,10 @@ class DecoupledRunner(RunnerBase):
     async def _shutdown(self) -> None:
         for stop in list(self._stops):  # past the grace period: generators stop at their next response
             stop.set()
+        for backend in self.backends:  # ... and a model that sends none is ended (its process killed)
+            interrupt = getattr(backend, "interrupt", None)
+            if interrupt is not None:
+                interrupt()
         for thread, backend in zip(self._threads, self.backends):
             await asyncio.to_thread(thread.shutdown, True)
             await asyncio.to_thread(backend.unload)

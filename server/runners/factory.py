@@ -6,6 +6,7 @@ what comes back only as a `Runner`. A new model kind is one more branch here and
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import logging
 from dataclasses import dataclass, field
@@ -15,9 +16,10 @@ from protos import model_config_pb2 as mc
 from server.backends import GENERATION
 from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
+from server.custom_metrics import CustomMetrics
 from server.generation_metrics import GenerationFamilies, GenerationStats
 from server.loop_load import LoopLoad
-from server.metrics import Histograms, ModelStats
+from server.metrics import Histograms, ModelProcessRestarts, ModelStats
 from server.response_cache import ResponseCache
 from server.repository.ensemble_config import step_order
 from server.runners.base import Runner
@@ -27,6 +29,7 @@ from server.runners.sequence import SequenceRunner
 from server.runners.sequence_inputs import SequenceInputs
 from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
+from server.runners.model_calls import LateControl, ModelCalls
 from server.runners.settings import (batching_settings, binpack_settings, generation_settings, request_queue,
                                      speculative_settings)
 from server.scheduling.base import Scheduler
@@ -57,10 +60,14 @@ class RunnerFactory:
     models: LateLookup = field(default_factory=LateLookup)  # the registry's lookup, for ensemble steps
     loop_load: LoopLoad | None = None  # the event loop's busy share, which adaptive windows take into account
     response_cache: ResponseCache | None = None  # the server's (--cache-config), for models that enable it
+    control: LateControl = field(default_factory=LateControl)  # the server's model control, for pb_utils.load_model
+    restarts: ModelProcessRestarts | None = None  # Python model processes started again after dying
+    custom_metrics: CustomMetrics | None = None  # pb_utils.MetricFamily values, shown on /metrics
 
     def __call__(self, name: str, entry: LoadedVersion) -> Runner:
         """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
         stats = ModelStats(name, entry.version, self.histograms)
+        self._bind_calls(entry)
         cache = self._cache_for(name, entry.config)
         stats.cached = cache is not None
         budget = ByteBudget(self.max_model_queued_bytes, f"model '{name}' version {entry.version}", self.server_budget)
@@ -78,6 +85,15 @@ class RunnerFactory:
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
                            preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget,
                            loop_load=self.loop_load, cache=cache)
+
+    def _bind_calls(self, entry: LoadedVersion) -> None:
+        """Python model processes reach the server (BLS, model control, metrics) through one ModelCalls."""
+        if not any(hasattr(b, "calls") for b in entry.backends):
+            return
+        calls = ModelCalls(asyncio.get_running_loop(), self.models, self.control, self.restarts, self.custom_metrics)
+        for backend in entry.backends:
+            if hasattr(backend, "calls"):
+                backend.calls = calls
 
     def _cache_for(self, name: str, config: mc.ModelConfig) -> ResponseCache | None:
         """The response cache, for a batched model or an ensemble whose config enables it; ConfigError for a

@@ -3,11 +3,13 @@
 The JSON's keys are what Triton's vLLM backend reads as inputs (`text_input`, `max_tokens`, `stream`,
 `exclude_input_in_output`, `sampling_parameters`) and its `parameters` are sampling parameters; the
 answer is `text_output` (with the prompt in front for /generate unless excluded, as that backend
-does), then `finish_reason` and usage. Decoding and checking are the generation runner's.
+does), then `finish_reason` and usage. Decoding and checking are the generation runner's. Any other
+model (a decoupled Python model, say) takes inputs by name instead (web/generate_tensors.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -19,13 +21,13 @@ from server.errors import InvalidInputError
 from server.frontdoor import serving
 from server.names import shown
 from server.repository.registry import Registry
-from server.runners.base import GENERATE
+from server.runners.base import DECOUPLED, GENERATE, INFER
 from server.runners.generation import GenerationInput
 from server.runners.sampling import KEYS as SAMPLING_KEYS
 from server.runners.sampling import from_strings
 from server.tracing import doors as trace_doors
 from server.tracing.control import TraceControl
-from server.web import streaming
+from server.web import generate_tensors, streaming
 from server.web.body import read_body
 from server.web.errors import message_of
 from server.web.kserve import kserve_errors, model_paths
@@ -45,6 +47,11 @@ class GenerateRoutes:
 
     @kserve_errors
     async def generate(self, request: Request) -> Response:
+        tensor_model = self._tensor_model(request)
+        if tensor_model is not None:  # not a generation model: inputs and outputs by name, as Triton
+            body = await self._body(request)
+            answers = [r async for r in generate_tensors.responses(tensor_model, body)]
+            return JSONResponse(answers[-1] if answers else generate_tensors.answer(tensor_model, {}))
         mv, body, generation, traced = await self._start(request)
         text, last = await (generation.collect() if traced is None else traced.collect(generation))
         if not body.get("exclude_input_in_output", False):
@@ -54,6 +61,9 @@ class GenerateRoutes:
 
     @kserve_errors
     async def generate_stream(self, request: Request) -> Response:
+        tensor_model = self._tensor_model(request)
+        if tensor_model is not None:
+            return await self._tensor_stream(tensor_model, await self._body(request))
         mv, _, generation, traced = await self._start(request)
         events = generation.events() if traced is None else traced.events(generation.events())
 
@@ -66,6 +76,38 @@ class GenerateRoutes:
 
         response = StreamingResponse(frames(), media_type="text/event-stream", headers=streaming.SSE_HEADERS)
         return response if traced is None else traced.respond(response)
+
+    def _tensor_model(self, request: Request):
+        """The model, when it is one that answers with tensors (a decoupled or batching model), else None."""
+        mv = self.registry.get(request.path_params["name"], request.path_params.get("version", ""))
+        return mv if mv.runner.serves in (DECOUPLED, INFER) else None
+
+    async def _body(self, request: Request) -> dict:
+        body = parse_json(await read_body(request, self.body_limit))
+        if not isinstance(body, dict):
+            raise InvalidInputError("the generate request must be a JSON object of input names and values")
+        return body
+
+    async def _tensor_stream(self, mv, body: dict) -> Response:
+        """Errors before the first response get their own status; later ones travel as an event."""
+        responses = generate_tensors.responses(mv, body)
+        try:
+            first = await anext(responses, None)
+        except BaseException:
+            await responses.aclose()
+            raise
+
+        async def frames():
+            async with contextlib.aclosing(responses):
+                try:
+                    if first is not None:
+                        yield streaming.sse(first)
+                    async for response in responses:
+                        yield streaming.sse(response)
+                except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
+                    yield streaming.sse({"error": message_of(exc)})
+
+        return StreamingResponse(frames(), media_type="text/event-stream", headers=streaming.SSE_HEADERS)
 
     async def _start(self, request: Request):
         """(model version, body, started generation, its GenerationTrace or None when not sampled)."""

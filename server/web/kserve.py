@@ -17,8 +17,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server import __version__
+from server.config_json import config_json
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
-from server.frontdoor import infer_request, serving
+from server.frontdoor import infer_request, model_ready, serving
 from server.log_settings import LogControl
 from server.model_control import ModelControl
 from server.metrics import INFER_DURATIONS
@@ -31,7 +32,6 @@ from server.tracing.control import TraceControl
 from server.tracing.record import HTTP_RECV_END
 from server.web import tensors
 from server.web.body import read_body
-from server.web.config_json import config_json
 from server.web.errors import kserve_error, message_of, status_of
 
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory",
@@ -94,7 +94,7 @@ class KServeRoutes:
         if not self.registry.knows(name):
             self.registry.get(name)  # raises NOT_FOUND
         try:
-            ready = self.registry.get(name, version).ready
+            ready = await model_ready(self.registry.get(name, version))
         except (ModelNotFoundError, ModelUnavailableError):  # a known model whose version cannot serve
             ready = False
         return Response(status_code=200 if ready else 400)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from server.frontend.arena import ALIGN, Allocator
+from server.ipc.arena import ALIGN, Allocator
 
 
 def test_blocks_are_aligned_disjoint_and_merge_back_into_one():

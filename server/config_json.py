@@ -1,4 +1,5 @@
-"""A model's configuration as Triton's HTTP door writes it (core's ModelConfigToJson).
+"""A model's configuration as Triton writes it as JSON (core's ModelConfigToJson): what its HTTP config
+endpoint answers and what a Python model reads in `initialize(args["model_config"])`.
 
 Protobuf's JSON mapping with field names kept and every field without presence printed, zeros and
 empty lists included (Triton's `always_print_primitive_fields`): clients read `max_batch_size` even

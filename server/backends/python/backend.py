@@ -1,0 +1,283 @@
+"""Python backend: a `model.py` in the version folder, run in a process of its own per instance.
+
+Two faces, one backend (server/backends/python/faces.py): Triton's `class TritonPythonModel` with
+`import triton_python_backend_utils as pb_utils`, and Ferry's short `class Model` whose `execute`
+takes and returns dicts of arrays. Each instance is one model process (process.py, child.py), so a
+model that spins in pure Python, crashes or hangs costs only its own requests: the instance thread
+here blocks on the process's answer with the GIL released; a dead process fails its in-flight
+requests UNAVAILABLE with the cause and is started again (initialize runs again) on the next call,
+counted in `ferry_model_process_restarts_total`.
+
+Triton's execute gets the batch's requests, each with its own tensors, and answers each alone
+(`per_request`: the worker calls `execute_requests`); Ferry's `class Model` gets them joined along
+dim 0, one call per batch, as before. Every load starts fresh processes, so an edited model.py takes
+effect on RepositoryModelLoad or a repository poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+from google.protobuf import json_format
+
+from protos import model_config_pb2 as mc
+from server.backends.base import Backend, Device, parameter
+from server.backends.python import protocol as p
+from server.backends.python.faces import defines_auto_complete
+from server.backends.python.process import ModelProcess, ProcessDied
+from server.config_json import config_json
+from server.errors import (AlreadyExistsError, BackendError, ConfigError, FerryError, InvalidInputError,
+                           ModelNotFoundError, ModelUnavailableError, UnsupportedError)
+from server.request import InferRequest
+
+log = logging.getLogger(__name__)
+ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
+READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not ready"
+FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
+_ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
+           p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError}
+
+
+class PythonBackend(Backend):
+    name = "python"
+    default_filename = "model.py"
+
+    def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
+        super().__init__(config, model_path, device)
+        self.process: ModelProcess | None = None
+        self.face = ""
+        self.calls = None  # the server's side of BLS, model control and metrics (server/runners/model_calls.py)
+        self._restart_lock = threading.Lock()
+        self._in_flight = 0  # calls sent and not answered: unloading with some kills rather than waits for finalize
+        self._streaming: tuple[ModelProcess, int] | None = None  # the decoupled call running now
+
+    @property
+    def per_request(self) -> bool:
+        return self.face == p.TRITON
+
+
+    @classmethod
+    def cuda_devices(cls) -> int:
+        """GPUs the NVIDIA driver reports (model code may use them; Ferry imports no CUDA library for it)."""
+        gpus = Path("/proc/driver/nvidia/gpus")
+        return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+    @classmethod
+    def complete_config(cls, config: mc.ModelConfig, model_path: Path, default_max_batch_size: int) -> None:
+        """Triton's auto_complete_config, run in a short-lived process of its own (as Triton does)."""
+        if not model_path.is_file() or not defines_auto_complete(model_path):
+            return
+        process = ModelProcess(config.name, 0, 0, lambda: None)
+        process.start()
+        try:
+            answer = process.ask(p.AUTO, str(model_path), json.dumps(config_json(config)))
+        except ProcessDied as exc:
+            raise ConfigError(f"{config.name}: auto_complete_config: {exc}") from exc
+        finally:
+            process.stop(FINALIZE_S)
+        if answer[0] == p.FAILED:
+            raise ConfigError(f"{config.name}: auto_complete_config failed: {answer[1]}")
+        completed = mc.ModelConfig()
+        try:
+            json_format.ParseDict(json.loads(answer[1]), completed)
+        except json_format.ParseError as exc:
+            raise ConfigError(f"{config.name}: auto_complete_config returned a config Ferry cannot read: {exc}") from exc
+        config.CopyFrom(completed)
+
+    def load(self) -> None:
+        if parameter(self.config, "EXECUTION_ENV_PATH") is not None:
+            raise ConfigError(f"model '{self.config.name}': parameter EXECUTION_ENV_PATH (a conda-pack environment) is "
+                              "not supported: Ferry runs model.py with the server's own Python; install the model's "
+                              "packages there instead")
+        if (parameter(self.config, "FORCE_CPU_ONLY_INPUT_TENSORS") or "yes").lower() in ("no", "false", "off"):
+            if self.cuda_devices() == 0:
+                raise ConfigError(f"model '{self.config.name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS is 'no' (GPU "
+                                  "input tensors) but this machine has no GPU; remove the parameter to get host tensors")
+            log.warning("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS 'no' is not supported; its input tensors are on the "
+                        "host (Tensor.is_cpu() is true)", self.config.name)
+        self.process = self._start()
+
+    def _start(self) -> ModelProcess:
+        process = ModelProcess(self.config.name, self.version, ARENA_BYTES, lambda: self.calls)
+        process.start()
+        try:
+            answer = process.ask(p.INIT, self._args())
+        except ProcessDied as exc:
+            process.kill()
+            raise ModelUnavailableError(f"model '{self.config.name}': {exc} during initialize") from exc
+        if process.arena is not None:
+            process.arena.unlink()  # both processes map it now: nothing is left in /dev/shm whatever happens
+        if answer[0] == p.FAILED:
+            process.stop(0)
+            raise ConfigError(f"model '{self.config.name}' failed to initialize: {answer[1]}")
+        self.face, self.checks_ready = answer[1], answer[2]
+        return process
+
+    @property
+    def version(self) -> int:
+        return int(self.model_path.parent.name) if self.model_path.parent.name.isdigit() else 0
+
+    def _args(self) -> dict:
+        config = config_json(self.config)
+        return {
+            "model_config": json.dumps(config), "model_instance_kind": "GPU" if self.device.kind == "cuda" else "CPU",
+            "model_instance_device_id": str(self.device.index), "model_instance_name": f"{self.config.name}_{self.instance}",
+            "model_repository": str(self.model_path.parent.parent), "model_version": str(self.version),
+            "model_name": self.config.name,
+            "ferry_model_path": str(self.model_path), "ferry_config": config, "ferry_version_dir": str(self.model_path.parent),
+            "ferry_device": str(self.device), "ferry_instance": self.instance,
+        }
+
+    def _alive(self) -> ModelProcess:
+        """The model's process, started again if it died since the last call."""
+        with self._restart_lock:
+            if self.process is None or self.process.death is not None:
+                cause = self.process.death if self.process is not None else "it was not running"
+                self.process = self._start()
+                log.warning("model '%s': started a new model process (pid %d): %s", self.config.name,
+                            self.process.pid, cause)
+                if self.calls is not None:
+                    self.calls.restarted(self.config.name, self.version)
+            return self.process
+
+    def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Ferry's `class Model`: the batch joined, one execute."""
+        process = self._alive()
+        request = p.Request("", [process.put(n, a) for n, a in inputs.items()], (), {})
+        del inputs
+        reply = self._ask(process, [request])
+        if isinstance(reply[0], FerryError):
+            raise reply[0]
+        return reply[0]
+
+    def execute_requests(self, requests: list[InferRequest],
+                         inputs: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray] | FerryError]:
+        """Triton's execute: the batch's requests as they came, one answer (or error) each."""
+        process = self._alive()
+        sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
+        del inputs
+        return self._ask(process, sent, _deadline(requests))
+
+    def can_send(self) -> bool:
+        """Whether `send_requests` may be used now: the process is up, idle and read by the loop (else the
+        instance thread takes the batch, starting a new process first if it must). One batch at a time per
+        instance, as for every backend: the next waits in the model's queue, where deadlines, priorities
+        and cancellation still reach it."""
+        process = self.process
+        if process is None or process.death is not None or self._in_flight:
+            return False
+        if not process.on_loop:  # the first batches go through the instance thread while the loop takes over
+            process.hand_over(asyncio.get_running_loop())
+            return False
+        return True
+
+    def send_requests(self, requests: list[InferRequest], inputs: list[dict[str, np.ndarray]], answered) -> None:
+        """On the event loop: send the batch's requests (tensors written once into the arena) and return;
+        `answered([outputs | FerryError])` is called on the process's reader thread."""
+        process = self.process
+        sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
+        self._in_flight += 1
+
+        def replied(replies) -> None:
+            self._in_flight -= 1
+            if isinstance(replies, ProcessDied):
+                answered([ModelUnavailableError(str(replies))] * len(sent))
+            else:
+                answered([self._outputs(process, reply) for reply in replies])
+
+        process.send(p.EXEC, sent, replied, _deadline(requests))
+
+    def send_joined(self, inputs: dict[str, np.ndarray], answered) -> None:
+        """`send_requests` for Ferry's `class Model`: the batch joined, one execute; `answered(outputs or
+        error)`."""
+        process = self.process
+        request = p.Request("", [process.put(n, a) for n, a in inputs.items()], (), {})
+        self._in_flight += 1
+
+        def replied(replies) -> None:
+            self._in_flight -= 1
+            answered(ModelUnavailableError(str(replies)) if isinstance(replies, ProcessDied)
+                     else self._outputs(process, replies[0]))
+
+        process.send(p.EXEC, [request], replied)
+
+    def _ask(self, process: ModelProcess, sent: list[p.Request], deadline_ns: int | None = None) -> list:
+        self._in_flight += 1
+        try:
+            replies = process.ask(p.EXEC, sent, deadline_ns=deadline_ns)
+        except ProcessDied as exc:
+            return [ModelUnavailableError(str(exc))] * len(sent)
+        finally:
+            self._in_flight -= 1
+        return [self._outputs(process, reply) for reply in replies]
+
+    def responses(self, request: InferRequest, stop: threading.Event):
+        """A decoupled request: its responses (dicts of outputs) as the model sends them."""
+        process = self._alive()
+        call, answers = process.stream(self._request(process, request, request.inputs))
+        self._in_flight += 1
+        self._streaming = (process, call)
+        try:
+            for reply, _final in answers:
+                if stop.is_set():
+                    return
+                if reply is None:
+                    continue
+                outputs = self._outputs(process, reply)
+                if isinstance(outputs, FerryError):
+                    raise outputs
+                yield outputs
+        except ProcessDied as exc:
+            raise ModelUnavailableError(str(exc)) from exc
+        finally:
+            self._in_flight -= 1
+            self._streaming = None
+
+    def cancel(self) -> None:
+        """The caller of the stream running now went away: the model's is_cancelled() turns true."""
+        streaming = self._streaming
+        if streaming is not None:
+            streaming[0].cancel(streaming[1])
+
+    def _request(self, process: ModelProcess, request: InferRequest, inputs: dict[str, np.ndarray]) -> p.Request:
+        params = request.parameters
+        correlation = params.get("sequence_id", 0) if params else 0
+        flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0) if params else 0
+        return p.Request(request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
+                         dict(params) if params else {}, correlation, flags)
+
+    def _outputs(self, process: ModelProcess, reply: p.Reply) -> dict[str, np.ndarray] | FerryError:
+        if reply.error is not None:
+            code, message = reply.error
+            return _ERRORS.get(code, BackendError)(message)
+        return {t.name: process.view(t) for t in reply.outputs}
+
+    def is_ready(self) -> bool:
+        """Triton's is_ready(), where the model defines it; a dead process is not ready."""
+        process = self.process
+        if process is None or process.death is not None:
+            return False
+        return process.is_ready(READY_CHECK_S) if self.checks_ready else True
+
+    def interrupt(self) -> None:
+        """The drain grace is over: a call still in flight will not end well, so end its process now."""
+        if self._in_flight and self.process is not None:
+            log.warning("model '%s': its process (pid %d) was still running a request when the drain grace ran "
+                        "out; killed", self.config.name, self.process.pid)
+            self.process.kill()
+
+    def unload(self) -> None:
+        if self.process is not None:
+            self.process.stop(0 if self._in_flight else FINALIZE_S)
+            self.process = None
+
+
+def _deadline(requests: list[InferRequest]) -> int | None:
+    """What BLS calls made for these requests inherit: the earliest deadline, when every request has one."""
+    deadlines = [r.deadline_ns for r in requests if r.deadline_ns is not None]
+    return min(deadlines) if deadlines and len(deadlines) == len(requests) else None

@@ -1,0 +1,345 @@
+"""A model process: `python -m server.backends.python.child FD ARENA_PATH ARENA_BYTES`.
+
+It imports the model.py it is told to, exposes `triton_python_backend_utils` to it, and serves its
+instance in the server over the socket inherited as FD. The main thread runs model code, one work
+item at a time (initialize, execute, finalize), on an event loop of its own for `async def` models, and
+reads the socket itself while idle; while model code runs a helper thread reads, so BLS answers,
+cancellations and freed blocks are seen meanwhile. Model code that raises anything (SystemExit and KeyboardInterrupt included)
+fails the requests of that execute with its message and the process keeps serving; if the server
+goes away (EOF), the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+from server.backends.python import faces
+from server.backends.python import pb_utils as pb
+from server.backends.python import protocol as p
+from server.ipc import tensors as ipc_tensors
+from server.ipc.arena import Allocator, Arena
+from server.ipc.frames import FrameSocket
+
+_END = object()
+_NUDGE = ("nudge",)  # from the helper: the main thread may read the socket itself again
+_WORK = {p.INIT, p.AUTO, p.EXEC, p.STREAM, p.FINALIZE}
+
+
+class Host:
+    """What model code reaches through pb_utils: the link to the server, the arena, pending calls."""
+
+    def __init__(self, link: FrameSocket, arena: Arena | None):
+        self.link, self.arena = link, arena
+        self._blocks = Allocator(arena.half, arena.size - arena.half) if arena is not None else None
+        self._blocks_lock = threading.Lock()
+        self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, on any thread
+        self._work: queue.Queue = queue.Queue()  # work the helper read while the main thread was busy
+        self._reading = threading.Lock()  # held by whichever thread is in recv
+        self._busy = threading.Event()  # the main thread runs model code: the helper reads
+        self._wanted = threading.Event()  # model code waits for an answer (BLS): the helper reads at once
+        self._pending: dict[int, tuple[Future, queue.Queue | None]] = {}  # BLS and control calls
+        self._refs = itertools.count(1)
+        self._cancelled: set[int] = set()
+        self._streaming: set[int] = set()  # decoupled calls whose final response is not sent yet
+        self.loop = asyncio.new_event_loop()
+        self.face: faces.Face | None = None
+        self._current = 0  # the EXEC call running (or last run)
+
+    # ---- reading: the main thread while it is idle, the helper thread while model code runs
+    def _take(self) -> tuple:
+        """The next work item for the main thread. An idle main thread reads the socket itself (one
+        thread wake-up less per request); while it runs model code the helper reads, so BLS answers,
+        cancellations and freed blocks are seen, and hands work over through the queue."""
+        while True:
+            try:
+                return self._work.get_nowait()
+            except queue.Empty:
+                pass
+            if self._reading.acquire(blocking=False):
+                try:
+                    frame = self.link.recv()
+                finally:
+                    self._reading.release()
+                if frame is None:
+                    os._exit(0)  # the server is gone: nobody will read what this process makes
+                if frame[0] in _WORK:
+                    return frame
+                self._handle(frame)
+                continue
+            frame = self._work.get()  # the helper is reading: it hands work over (or nudges)
+            if frame is not _NUDGE:
+                return frame
+
+    def help_read(self) -> None:
+        """The helper thread: reads while the main thread runs model code that made a BLS call or has run
+        for 2 ms (short executes, the common case, leave the reading to the main thread)."""
+        while True:
+            self._busy.wait()
+            self._wanted.wait(0.002)
+            if not self._busy.is_set():
+                continue
+            with self._reading:
+                frame = self.link.recv()
+            if frame is None:
+                os._exit(0)
+            if frame[0] in _WORK:
+                self._work.put(frame)
+            else:
+                self._handle(frame)
+                if not self._busy.is_set():
+                    self._work.put(_NUDGE)  # the main thread may be waiting on the queue: let it read again
+
+    def _handle(self, frame: tuple) -> None:
+        kind = frame[0]
+        if kind == p.CALLED:
+            self._called(*frame[1:])
+        elif kind == p.CANCEL:
+            self._cancelled.add(frame[1])
+        elif kind == p.FREE:
+            self._free_ours(frame[1])
+        elif kind == p.HANDOVER:
+            self.link.send((p.HANDOVER,))
+        elif kind == p.CHECK:
+            try:
+                ready = self.face.is_ready()
+            except BaseException as exc:  # noqa: BLE001 - a readiness check that fails says "not ready"
+                print(f"is_ready failed: {_message(exc)}", file=sys.stderr)
+                ready = False
+            self.link.send((p.CHECKED, frame[1], ready))
+
+    def _called(self, ref: int, reply: p.Reply | None, final: bool) -> None:
+        future, items = self._pending.get(ref, (None, None))
+        if future is None:
+            return
+        if items is None:  # one answer
+            del self._pending[ref]
+            future.set_result(self._response(reply))
+            return
+        if reply is not None:
+            items.put(self._response(reply))
+        if final:
+            del self._pending[ref]
+            items.put(pb.InferenceResponse())  # Triton's last, flag-only response of a decoupled stream
+            items.put(_END)
+
+    # ---- the main thread
+    def serve(self) -> None:
+        while True:
+            frame = self._take()
+            self._busy.set()
+            kind = frame[0]
+            if kind == p.INIT:
+                self._init(frame[1])
+            elif kind == p.AUTO:
+                self._auto(*frame[1:])
+            elif kind == p.EXEC:
+                self._exec(*frame[1:])
+            elif kind == p.STREAM:
+                self._stream(*frame[1:])
+            elif kind == p.FINALIZE:
+                self._finalize()
+                return
+            del frame
+            self._busy.clear()
+            self._wanted.clear()
+            self.flush_freed()
+
+    def _init(self, args: dict) -> None:
+        try:
+            module = faces.import_model(Path(args["ferry_model_path"]))
+            self.face = faces.face_of(module, Path(args["ferry_model_path"]), self.loop)
+            self.face.initialize(args)
+        except BaseException as exc:  # noqa: BLE001 - a model that cannot start says why, and the load fails
+            self.link.send((p.FAILED, _message(exc)))
+            return
+        self.link.send((p.READY, self.face.kind, self.face.checks_ready))
+
+    def _auto(self, model_path: str, config_json: str) -> None:
+        try:
+            module = faces.import_model(Path(model_path))
+            completed = module.TritonPythonModel.auto_complete_config(pb.ModelConfig(config_json))
+            if not isinstance(completed, pb.ModelConfig):
+                raise pb.TritonModelException("auto_complete_config must return the pb_utils.ModelConfig it was given")
+        except BaseException as exc:  # noqa: BLE001
+            self.link.send((p.FAILED, _message(exc)))
+            return
+        self.link.send((p.AUTO, json.dumps(completed.as_dict())))
+
+    def _exec(self, call: int, requests: list[p.Request], freed: list[int]) -> None:
+        self._free_ours(freed)
+        self._current = call
+        built = [self._request(r, call) for r in requests]
+        try:
+            replies = [self._reply(r) for r in self.face.run(built)]
+        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
+            replies = [p.Reply([], (p.INTERNAL, _message(exc)))] * len(requests)
+        del built
+        self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
+
+    def _stream(self, call: int, request: p.Request, freed: list[int]) -> None:
+        self._free_ours(freed)
+        self._streaming.add(call)
+        built = self._request(request, call)
+        try:
+            self.face.run_decoupled([built], [pb.InferenceResponseSender(self, call)])
+        except BaseException as exc:  # noqa: BLE001
+            if call in self._streaming:
+                self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
+
+    def _finalize(self) -> None:
+        try:
+            if self.face is not None:
+                self.face.finalize()
+        except BaseException as exc:  # noqa: BLE001 - the process ends either way
+            print(f"finalize failed: {_message(exc)}", file=sys.stderr)
+
+    # ---- what pb_utils calls
+    def respond(self, call: int, response: pb.InferenceResponse | None, final: bool) -> None:
+        if call not in self._streaming:
+            raise pb.TritonModelException("this request's final response was sent already")
+        if final:
+            self._streaming.discard(call)
+            self._cancelled.discard(call)
+        self.link.send((p.RESPONSE, call, self._reply(response) if response is not None else None, final))
+
+    def sender(self, call: int) -> pb.InferenceResponseSender:
+        return pb.InferenceResponseSender(self, call)
+
+    def cancelled(self, call: int) -> bool:
+        return call in self._cancelled
+
+    def call(self, request: pb.InferenceRequest, decoupled: bool) -> Future:
+        """A BLS request: sent to the server, answered by CALLED frames (the reader thread resolves it)."""
+        ref, future = next(self._refs), Future()
+        items = queue.Queue() if decoupled else None
+        self._pending[ref] = (future, items)
+        version = "" if request.model_version in (-1, "", None) else str(request.model_version)
+        sent = p.Call(request.model_name, version, [self._put(t.name(), t.as_numpy()) for t in request.inputs()],
+                      tuple(request.requested_output_names()), json.loads(request.parameters()), request.request_id(),
+                      int(request.timeout()), decoupled)
+        self._wanted.set()
+        self.link.send((p.CALL, ref, sent, self._current))  # the execute it is made for: its deadline
+        if decoupled:
+            future.set_result(_Responses(items))
+        return future
+
+    def control(self, op: str, name: str, version: str, config: str, files: dict):
+        ref, future = next(self._refs), Future()
+        self._pending[ref] = (future, None)
+        self._wanted.set()
+        self.link.send((p.CONTROL, ref, op, name, version, config, files))
+        response = future.result()
+        if response.has_error():
+            raise pb.TritonModelException(response.error().message())
+        return json.loads(response.parameters()).get("value")
+
+    def metric(self, *update) -> None:
+        self.link.send((p.METRIC, *update))
+
+    def log(self, level: int, message: str) -> None:
+        self.link.send((p.LOG, level, message))
+
+    # ---- tensors
+    def _put(self, name: str, array) -> ipc_tensors.Tensor:
+        with self._blocks_lock:
+            return ipc_tensors.put(name, array, self.arena, self._blocks)
+
+    def _view(self, tensor: ipc_tensors.Tensor):
+        return ipc_tensors.view(tensor, self.arena, self._free)
+
+    def _free(self, offset: int) -> None:
+        self._freed.append(offset)  # atomic: safe inside a garbage collection that interrupted a send
+
+    def _take_freed(self) -> list[int]:
+        freed = []
+        while self._freed:
+            freed.append(self._freed.popleft())
+        return freed
+
+    def flush_freed(self) -> None:
+        """After a work item: a FREE frame only when many blocks wait (the next DONE carries a few)."""
+        if len(self._freed) >= 64:
+            self.link.send((p.FREE, self._take_freed()))
+
+    def _free_ours(self, offsets: list[int]) -> None:
+        if offsets:
+            with self._blocks_lock:
+                for offset in offsets:
+                    self._blocks.free(offset)
+
+    def _request(self, request: p.Request, call: int) -> pb.InferenceRequest:
+        inputs = [pb.Tensor(t.name, self._view(t)) for t in request.inputs]
+        return pb.InferenceRequest("", inputs, list(request.requested), request.id, request.correlation_id,
+                                   request.flags, parameters=request.parameters, _call=call)
+
+    def _reply(self, response) -> p.Reply:
+        if isinstance(response, pb.TritonError):
+            return p.Reply([], (response.code(), response.message()))
+        if not isinstance(response, pb.InferenceResponse):
+            return p.Reply([], (p.INTERNAL, f"execute returned {type(response).__name__} where an "
+                                            "InferenceResponse was expected"))
+        if response.has_error():
+            error = response.error()
+            return p.Reply([], (error.code(), error.message()))
+        outputs = [self._put(t.name(), t.as_numpy()) for t in response.output_tensors()]
+        return p.Reply(outputs, None, json.loads(response.parameters()) or None)
+
+    def _response(self, reply: p.Reply) -> pb.InferenceResponse:
+        if reply.error is not None:
+            return pb.InferenceResponse(error=pb.TritonError(reply.error[1], reply.error[0]))
+        return pb.InferenceResponse([pb.Tensor(t.name, self._view(t)) for t in reply.outputs],
+                                    parameters=reply.parameters)
+
+
+class _Responses:
+    """The responses of a decoupled BLS call, as they come."""
+
+    def __init__(self, items: queue.Queue):
+        self._items = items
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> pb.InferenceResponse:
+        item = self._items.get()
+        if item is _END:
+            raise StopIteration
+        return item
+
+
+def _message(exc: BaseException) -> str:
+    """What the caller reads: the exception's own words (its type when it has none), never a traceback."""
+    if isinstance(exc, SystemExit):
+        return f"model code raised SystemExit({exc.code!r})"
+    if isinstance(exc, KeyboardInterrupt):
+        return "model code raised KeyboardInterrupt"
+    text = exc.message() if isinstance(exc, pb.TritonModelException) else str(exc)
+    return f"{type(exc).__name__}: {text}" if not isinstance(exc, pb.TritonModelException) and text else (
+        text or type(exc).__name__)
+
+
+def main(argv: list[str]) -> None:
+    fd, arena_path, arena_bytes = int(argv[0]), argv[1], int(argv[2])
+    link = FrameSocket(socket.socket(fileno=fd))
+    arena = Arena(Path(arena_path), arena_bytes, create=False) if arena_path else None
+    host = Host(link, arena)
+    pb.install(host)
+    sys.modules["triton_python_backend_utils"] = pb
+    threading.Thread(target=host.help_read, name="ferry-model-reader", daemon=True).start()
+    host.serve()
+    link.close()
+    os._exit(0)  # model threads still running (a decoupled model's senders) end with the process
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

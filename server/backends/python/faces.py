@@ -1,0 +1,145 @@
+"""The two faces of a model.py, behind one small interface the model process drives.
+
+Triton's face: `class TritonPythonModel` with `execute(requests) -> [InferenceResponse]` (or `async
+def execute`; a decoupled model answers through each request's response sender and returns None).
+Ferry's short face: `class Model` with `execute(dict of arrays) -> dict of arrays`, run on the batch's
+requests joined along dim 0 (one call per batch), or, decoupled, a generator yielding one dict per
+response. Both take `initialize(args)` and `finalize()`; the process handles everything else alike.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from server.backends.python import pb_utils as pb
+from server.backends.python import protocol as p
+
+
+def import_model(path: Path):
+    """model.py as the module `model` would be imported by Triton's stub (its folder first on sys.path)."""
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def defines_auto_complete(path: Path) -> bool:
+    """Whether model.py's TritonPythonModel defines auto_complete_config, read without running it."""
+    try:
+        tree = ast.parse(path.read_text(), str(path))
+    except (OSError, SyntaxError, ValueError):
+        return False
+    return any(isinstance(node, ast.ClassDef) and node.name == "TritonPythonModel"
+               and any(isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and f.name == "auto_complete_config"
+                       for f in node.body) for node in tree.body)
+
+
+class Face:
+    kind = ""
+
+    def __init__(self, model, loop: asyncio.AbstractEventLoop):
+        self.model, self.loop = model, loop
+
+    def _wait(self, result):
+        return self.loop.run_until_complete(result) if inspect.isawaitable(result) else result
+
+    def initialize(self, args: dict) -> None:
+        if hasattr(self.model, "initialize"):
+            self._wait(self.model.initialize(self._args(args)))
+
+    def finalize(self) -> None:
+        if hasattr(self.model, "finalize"):
+            self._wait(self.model.finalize())
+
+    @property
+    def checks_ready(self) -> bool:
+        return hasattr(self.model, "is_ready")
+
+    def is_ready(self) -> bool:
+        """On whichever thread reads the link (model code may be running on the main thread)."""
+        ready = self.model.is_ready()
+        if inspect.isawaitable(ready):
+            ready = asyncio.new_event_loop().run_until_complete(ready)
+        return bool(ready)
+
+    def _args(self, args: dict) -> dict:
+        raise NotImplementedError
+
+    def run(self, requests: list[pb.InferenceRequest]) -> list[pb.InferenceResponse]:
+        raise NotImplementedError
+
+    def run_decoupled(self, requests: list[pb.InferenceRequest], senders: list[pb.InferenceResponseSender]) -> None:
+        raise NotImplementedError
+
+
+class TritonFace(Face):
+    kind = p.TRITON
+
+    def _args(self, args: dict) -> dict:
+        return {key: value for key, value in args.items() if not key.startswith("ferry_")}
+
+    def run(self, requests):
+        responses = self._wait(self.model.execute(requests))
+        if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
+            got = f"{len(responses)} responses" if isinstance(responses, (list, tuple)) else type(responses).__name__
+            raise pb.TritonModelException(f"execute must return one InferenceResponse per request: "
+                                          f"{len(requests)} requests, got {got}")
+        return list(responses)
+
+    def run_decoupled(self, requests, senders):
+        returned = self._wait(self.model.execute(requests))
+        if returned is not None:
+            raise pb.TritonModelException("a decoupled model's execute must return None (responses go through "
+                                          "each request's response sender)")
+
+
+class FerryFace(Face):
+    kind = p.FERRY
+
+    def _args(self, args: dict) -> dict:
+        return {"config": args["ferry_config"], "version_dir": args["ferry_version_dir"],
+                "device": args["ferry_device"], "instance": args["ferry_instance"]}
+
+    def run(self, requests):
+        return [self._response(self.model.execute(_arrays(r))) for r in requests]
+
+    def run_decoupled(self, requests, senders):
+        for request, sender in zip(requests, senders):
+            produced = self.model.execute(_arrays(request))
+            if isinstance(produced, dict):
+                raise pb.TritonModelException("this model is decoupled: its execute must yield one dict per "
+                                              "response (a generator), not return a dict")
+            for outputs in produced:
+                if sender.is_cancelled():
+                    break
+                sender.send(self._response(outputs))
+            sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    @staticmethod
+    def _response(outputs) -> pb.InferenceResponse:
+        if not isinstance(outputs, dict):
+            raise pb.TritonModelException(f"execute must return a dict of output name -> array, "
+                                          f"got {type(outputs).__name__}")
+        return pb.InferenceResponse([pb.Tensor(name, np.asarray(value)) for name, value in outputs.items()])
+
+
+def _arrays(request: pb.InferenceRequest) -> dict[str, np.ndarray]:
+    return {t.name(): t.as_numpy() for t in request.inputs()}
+
+
+def face_of(module, path: Path, loop: asyncio.AbstractEventLoop) -> Face:
+    if hasattr(module, "TritonPythonModel"):
+        return TritonFace(module.TritonPythonModel(), loop)
+    if hasattr(module, "Model"):
+        return FerryFace(module.Model(), loop)
+    raise pb.TritonModelException(f"{path} defines neither `class TritonPythonModel` (Triton's API) "
+                                  "nor `class Model` (Ferry's short form)")

@@ -1,0 +1,98 @@
+"""`pb_utils.MetricFamily`, `Metric` and `Logger` in a model process: updates go to the server, which
+owns the Prometheus families and the log (a model process has no /metrics page or log of its own)."""
+
+from __future__ import annotations
+
+import enum
+import threading
+
+
+def _host():
+    from server.backends.python import pb_utils  # the one host of this process, installed before model.py runs
+
+    return pb_utils._the_host()
+
+
+class LogLevel(enum.IntEnum):
+    INFO = 0
+    WARNING = 1
+    ERROR = 2
+    VERBOSE = 3
+
+
+class Logger:
+    @staticmethod
+    def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
+        _host().log(int(level), str(message))
+
+    @staticmethod
+    def log_info(message: str) -> None:
+        Logger.log(message, LogLevel.INFO)
+
+    @staticmethod
+    def log_warn(message: str) -> None:
+        Logger.log(message, LogLevel.WARNING)
+
+    @staticmethod
+    def log_error(message: str) -> None:
+        Logger.log(message, LogLevel.ERROR)
+
+    @staticmethod
+    def log_verbose(message: str) -> None:
+        Logger.log(message, LogLevel.VERBOSE)
+
+
+class MetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = 0, 1, 2
+
+    def __init__(self, name: str, description: str, kind: int, buckets=None):
+        if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
+            raise ValueError(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM, got {kind!r}")
+        self.name, self.description, self.kind = name, description, kind
+        self.buckets = list(buckets) if buckets is not None else None
+        _host().metric("family", self.name, self.description, self.kind, (), 0.0, self.buckets)
+
+    def Metric(self, labels: dict | None = None, buckets=None) -> Metric:  # Triton's name
+        if self.kind == self.HISTOGRAM and buckets is None and self.buckets is None:
+            raise ValueError(f"metric family '{self.name}' is a histogram: give its buckets")
+        return Metric(self, labels or {}, list(buckets) if buckets is not None else self.buckets)
+
+
+class Metric:
+    def __init__(self, family: MetricFamily, labels: dict, buckets):
+        self.family, self.buckets = family, buckets
+        self.labels = tuple(sorted((str(k), str(v)) for k, v in labels.items()))
+        self._value = 0.0
+        self._lock = threading.Lock()
+        self._send("create", 0.0)
+
+    def _send(self, op: str, value: float) -> None:
+        f = self.family
+        _host().metric(op, f.name, f.description, f.kind, self.labels, float(value), self.buckets)
+
+    def increment(self, value: float) -> None:
+        if self.family.kind == MetricFamily.HISTOGRAM:
+            raise ValueError(f"metric family '{self.family.name}' is a histogram: use observe")
+        if self.family.kind == MetricFamily.COUNTER and value < 0:
+            raise ValueError(f"metric family '{self.family.name}' is a counter: it cannot decrease")
+        with self._lock:
+            self._value += value
+        self._send("inc", value)
+
+    def set(self, value: float) -> None:
+        if self.family.kind != MetricFamily.GAUGE:
+            raise ValueError(f"metric family '{self.family.name}' is not a gauge: only a gauge can be set")
+        with self._lock:
+            self._value = float(value)
+        self._send("set", value)
+
+    def observe(self, value: float) -> None:
+        if self.family.kind != MetricFamily.HISTOGRAM:
+            raise ValueError(f"metric family '{self.family.name}' is not a histogram: only a histogram observes")
+        with self._lock:
+            self._value += value
+        self._send("observe", value)
+
+    def value(self) -> float:
+        """The counter's or gauge's value (a histogram's: the sum observed), as this process knows it."""
+        return self._value

@@ -1,0 +1,297 @@
+"""Triton's `triton_python_backend_utils`, as a model process sees it (`import triton_python_backend_utils`).
+
+The names, signatures and codes are Triton's (python_backend README), so a Triton model.py runs
+unchanged; the code is Ferry's. Everything that leaves the process (BLS calls, responses of a
+decoupled model, metrics, log lines, model control) goes through the process's one `Host`
+(server/backends/python/child.py), which the model process installs with `install` before it imports
+model.py: one per process, as the module itself is, since Triton's API is module-level functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+
+import numpy as np
+
+from server.backends.python import protocol as p
+
+_host = None  # the process's Host, set once by `install`
+
+
+def install(host) -> None:
+    global _host  # Triton's API is module-level: one host per model process
+    _host = host
+
+
+def _the_host():
+    if _host is None:
+        raise TritonModelException("this call needs a running model process (it works inside Ferry's Python backend)")
+    return _host
+
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+TRITON_STRING_TO_NUMPY = {
+    "TYPE_BOOL": bool, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
+    "TYPE_UINT64": np.uint64, "TYPE_INT8": np.int8, "TYPE_INT16": np.int16, "TYPE_INT32": np.int32,
+    "TYPE_INT64": np.int64, "TYPE_FP16": np.float16, "TYPE_FP32": np.float32, "TYPE_FP64": np.float64,
+    "TYPE_STRING": np.object_,
+}
+_TRITON_TYPES = [None, np.bool_, np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64,
+                 np.float16, np.float32, np.float64, np.object_]  # TRITONSERVER_DataType numbers
+
+
+def triton_string_to_numpy(triton_type_string: str):
+    return TRITON_STRING_TO_NUMPY[triton_type_string]
+
+
+def triton_to_numpy_type(data_type: int):
+    return _TRITON_TYPES[data_type] if 0 < data_type < len(_TRITON_TYPES) else None
+
+
+def numpy_to_triton_type(data_type) -> int | None:
+    if data_type in (np.object_, np.bytes_) or np.dtype(data_type).kind in "OSU":
+        return 13
+    for number, numpy_type in enumerate(_TRITON_TYPES[1:13], start=1):
+        if np.dtype(data_type) == np.dtype(numpy_type):
+            return number
+    return None
+
+
+def serialize_byte_tensor(input_tensor: np.ndarray):
+    if input_tensor.size == 0:
+        return ()
+    if input_tensor.dtype != np.object_ and input_tensor.dtype.type != np.bytes_:
+        return None
+    parts = []
+    for item in input_tensor.flatten(order="C"):
+        data = item if isinstance(item, bytes) else str(item).encode("utf-8")
+        parts += [struct.pack("<I", len(data)), data]
+    return b"".join(parts)
+
+
+def deserialize_bytes_tensor(encoded_tensor) -> np.ndarray:
+    items, offset, data = [], 0, bytes(encoded_tensor)
+    while offset < len(data):
+        (length,) = struct.unpack_from("<I", data, offset)
+        items.append(data[offset + 4 : offset + 4 + length])
+        offset += 4 + length
+    return np.array(items, dtype=np.object_)
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = (
+        p.UNKNOWN, p.INTERNAL, p.NOT_FOUND, p.INVALID_ARG, p.UNAVAILABLE, p.UNSUPPORTED, p.ALREADY_EXISTS, p.CANCELLED)
+
+    def __init__(self, message: str, code: int = p.INTERNAL):
+        self._message, self._code = str(message), int(code)
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, {self._code})"
+
+
+class TritonModelException(Exception):
+    """Raise it from model code: the requests of that execute fail with its message."""
+
+    def message(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class Tensor:
+    """A named numpy array (on the CPU: this server runs Python models' tensors on the host)."""
+
+    def __init__(self, name: str, data, dtype=None):
+        array = data if isinstance(data, np.ndarray) else np.asarray(data, dtype=dtype)
+        if array.dtype.kind in "SU":
+            array = array.astype(np.object_)
+        self._name, self._array = name, array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def shape(self) -> list[int]:
+        return list(self._array.shape)
+
+    def triton_dtype(self) -> int | None:
+        return numpy_to_triton_type(self._array.dtype)
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def to_dlpack(self):
+        if self._array.dtype == np.object_:
+            raise TritonModelException(f"tensor '{self._name}' holds BYTES, which DLPack cannot carry")
+        return self._array.__dlpack__()
+
+    @staticmethod
+    def from_dlpack(name: str, dlpack) -> Tensor:
+        """From a DLPack capsule or any object with `__dlpack__` (a torch tensor, say); host memory only."""
+        if hasattr(dlpack, "__dlpack_device__") and dlpack.__dlpack_device__()[0] != 1:
+            raise TritonModelException(f"tensor '{name}' is on a GPU; Ferry's Python backend takes host tensors only")
+        if hasattr(dlpack, "__dlpack__"):
+            return Tensor(name, np.from_dlpack(dlpack))
+        return Tensor(name, np.from_dlpack(_Capsule(dlpack)))
+
+    def __repr__(self) -> str:
+        return f"Tensor({self._name!r}, shape={list(self._array.shape)}, dtype={self._array.dtype})"
+
+
+class _Capsule:
+    """A bare DLPack capsule, dressed as the object np.from_dlpack expects."""
+
+    def __init__(self, capsule):
+        self._capsule = capsule
+
+    def __dlpack__(self, stream=None, **_):
+        return self._capsule
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
+                 parameters: dict | str | None = None):
+        self._outputs = list(output_tensors or [])
+        self._error = error
+        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+
+    def output_tensors(self) -> list[Tensor]:
+        return self._outputs
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> TritonError | None:
+        return self._error
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+
+class InferenceResponseSender:
+    """A decoupled model's way to answer: 0..N `send`s, the last with TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
+
+    def __init__(self, host, call: int):
+        self._host, self._call = host, call
+        self._closed = False
+
+    def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
+        if self._closed:
+            raise TritonModelException("this request's final response was sent already")
+        final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        self._closed = final
+        self._host.respond(self._call, response, final)
+
+    def is_cancelled(self) -> bool:
+        return self._host.cancelled(self._call)
+
+
+class InferenceRequest:
+    """A request given to execute, or (built by model code) a BLS request to another model."""
+
+    def __init__(self, model_name: str = "", inputs: list[Tensor] | None = None,
+                 requested_output_names: list[str] | None = None, request_id: str = "", correlation_id=0,
+                 flags: int = 0, timeout: int = 0, model_version: int = -1, parameters: dict | str | None = None,
+                 preferred_memory=None, trace=None, _call: int | None = None):
+        self.model_name = model_name.decode() if isinstance(model_name, bytes) else str(model_name)  # a BYTES element
+        self.model_version = model_version
+        self._inputs = list(inputs or [])
+        self._requested = list(requested_output_names or [])
+        self._request_id, self._correlation_id, self._flags, self._timeout = request_id, correlation_id, flags, timeout
+        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+        self._call = _call  # set on requests handed to execute: which call of the server they belong to
+
+    def inputs(self) -> list[Tensor]:
+        return self._inputs
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def correlation_id(self):
+        return self._correlation_id
+
+    def flags(self) -> int:
+        return self._flags
+
+    def timeout(self) -> int:
+        return self._timeout
+
+    def parameters(self) -> str:
+        return json.dumps(self._parameters)
+
+    def is_cancelled(self) -> bool:
+        return self._call is not None and _the_host().cancelled(self._call)
+
+    def get_response_sender(self) -> InferenceResponseSender:
+        if self._call is None:
+            raise TritonModelException("only a request given to execute has a response sender")
+        return _the_host().sender(self._call)
+
+    def set_release_flags(self, flags: int) -> None:
+        """Triton's request rescheduling is not offered; releasing (the default) is what happens."""
+        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            raise TritonModelException("Ferry does not reschedule requests (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)")
+
+    def exec(self, decoupled: bool = False):
+        """Run this request on `model_name` and wait: one InferenceResponse, or (decoupled) an iterator of them."""
+        return _the_host().call(self, decoupled).result()
+
+    async def async_exec(self, decoupled: bool = False):
+        return await asyncio.wrap_future(_the_host().call(self, decoupled))
+
+
+def get_input_tensor_by_name(inference_request: InferenceRequest, name: str) -> Tensor | None:
+    return next((t for t in inference_request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(inference_response: InferenceResponse, name: str) -> Tensor | None:
+    return next((t for t in inference_response.output_tensors() if t.name() == name), None)
+
+
+def get_input_config_by_name(model_config: dict, name: str) -> dict | None:
+    return next((t for t in model_config.get("input", []) if t["name"] == name), None)
+
+
+def get_output_config_by_name(model_config: dict, name: str) -> dict | None:
+    return next((t for t in model_config.get("output", []) if t["name"] == name), None)
+
+
+def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
+    return bool(model_config.get("model_transaction_policy", {}).get("decoupled", False))
+
+
+def load_model(model_name: str, config: str = "", files: dict | None = None) -> None:
+    _the_host().control("load", model_name, "", config, files or {})
+
+
+def unload_model(model_name: str, unload_dependents: bool = False) -> None:
+    _the_host().control("unload", model_name, "", "", {})
+
+
+def is_model_ready(model_name: str, model_version: str = "") -> bool:
+    return bool(_the_host().control("ready", model_name, str(model_version), "", {}))
+
+
+from server.backends.python.pb_config import ModelConfig  # noqa: E402 - Triton exposes it here
+from server.backends.python.pb_observe import Logger, LogLevel, Metric, MetricFamily  # noqa: E402
+
+__all__ = ["ModelConfig", "Logger", "LogLevel", "Metric", "MetricFamily"]

@@ -1,0 +1,351 @@
+"""The server's end of one model process: start it, talk to it, notice its death, end it.
+
+The process runs `python -m server.backends.python.child` with one end of a socketpair and the path of
+its arena (a /dev/shm file both map, unlinked once the child has mapped it). A reader thread here
+takes every frame the child sends: answers go to the thread waiting for them (an instance thread
+blocked on a queue, the GIL released), BLS calls, model control, metrics and log lines go to the
+server (`Calls`). EOF means the process died: every call in flight is answered with the cause
+("model process for 'm' exited with signal 11") and the backend starts a new process on its next call.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable, Protocol
+
+import numpy as np
+
+from server.backends.python import protocol as p
+from server.ipc import tensors as ipc_tensors
+from server.ipc.arena import SHM_DIR, Allocator, Arena
+from server.ipc.frames import FrameSocket
+
+log = logging.getLogger(__name__)
+_ROOT = Path(__file__).resolve().parents[3]  # the folder holding the `server` package
+_names = itertools.count()
+_STOPPED = object()  # a stream's caller went away: its thread stops waiting
+_LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
+
+
+class Calls(Protocol):
+    """What a model process asks of the server (server/runners/model_calls.py answers)."""
+
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Callable, deadline_ns: int | None) -> None: ...
+    def control(self, op: str, name: str, version: str, config: str, files: dict, answer: Callable) -> None: ...
+    def metric(self, model: str, version: int, update: tuple) -> None: ...
+    def restarted(self, model: str, version: int) -> None: ...
+
+
+class ProcessDied(Exception):
+    """The model process ended while a call was in flight; the message names the model and the cause."""
+
+
+class ModelProcess:
+    def __init__(self, model: str, version: int, arena_bytes: int, calls: Callable[[], Calls | None]):
+        self.model, self.version, self.arena_bytes = model, version, arena_bytes
+        self._calls = calls  # the server's handler, looked up when a frame needs it (bound after load)
+        self._waiting: dict[int, queue.Queue] = {}  # call id -> where its answers go
+        self._ids = itertools.count(1)
+        self._blocks_lock = threading.Lock()
+        self._freed: collections.deque[int] = collections.deque()  # blocks of the child's half seen to the last view
+        self.death: str | None = None  # why the process ended, once it has
+        self._checks: dict[int, queue.Queue] = {}  # is_ready() calls waiting for their answer
+        self._deadlines: dict[int, int] = {}  # EXEC call -> its requests' deadline, which its BLS calls inherit
+        self.proc: subprocess.Popen | None = None
+        self.link: FrameSocket | None = None
+        self.arena: Arena | None = None
+        self._blocks: Allocator | None = None
+        self._reader: threading.Thread | None = None
+        self._loop = None  # the event loop the link is handed to (hand_over)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.arena, path = self._new_arena(), ""
+        if self.arena is not None:
+            path = str(self.arena.path)
+            self._blocks = Allocator(0, self.arena.half)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(_ROOT), os.environ.get("PYTHONPATH")])))
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server.backends.python.child", str(theirs.fileno()), path,
+                 str(self.arena.size if self.arena else 0)], pass_fds=(theirs.fileno(),), env=env,
+                start_new_session=True)  # the server's Ctrl-C is not the model's: the server ends it
+        finally:
+            theirs.close()
+        self.link = FrameSocket(ours)
+        self._reader = threading.Thread(target=self._read, name=f"ferry-{self.model}-{self.proc.pid}", daemon=True)
+        self._reader.start()
+
+    def _new_arena(self) -> Arena | None:
+        if self.arena_bytes <= 0:
+            return None
+        path = SHM_DIR / f"ferry-model-{os.getpid()}-{next(_names)}"
+        try:
+            return Arena(path, self.arena_bytes, create=True)
+        except OSError as exc:
+            log.warning("model '%s': no shared memory arena (%s); its tensors travel inline", self.model, exc)
+            return None
+
+    def ask(self, frame_kind: str, *body, deadline_ns: int | None = None) -> tuple:
+        """Send a frame that is answered once (INIT, AUTO, EXEC) and wait for the answer."""
+        call = next(self._ids) if frame_kind == p.EXEC else 0  # INIT and AUTO: one at a time, at start
+        answers = self._wait_on(call)
+        if deadline_ns is not None:
+            self._deadlines[call] = deadline_ns
+        try:
+            if frame_kind == p.EXEC:
+                self._send((frame_kind, call, *body, self._take_freed()))
+            else:
+                self._send((frame_kind, *body))
+            answer = answers.get()
+        finally:
+            self._waiting.pop(call, None)
+            self._deadlines.pop(call, None)
+        if isinstance(answer, ProcessDied):
+            raise answer
+        return answer
+
+    def send(self, frame_kind: str, body, replied: Callable, deadline_ns: int | None = None) -> None:
+        """Send an EXEC and return; `replied(answer or ProcessDied)` runs on the reader thread."""
+        call = next(self._ids)
+        if self.death is not None:
+            replied(ProcessDied(self.death))
+            return
+        if deadline_ns is not None:
+            self._deadlines[call] = deadline_ns
+        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines)
+        if self.death is not None:  # it died between the check and the entry: the reader may have passed it
+            reply.put(ProcessDied(self.death))
+            return
+        self._send((frame_kind, call, body, self._take_freed()))
+
+    def stream(self, request: p.Request):
+        """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id."""
+        call = next(self._ids)
+        answers = self._wait_on(call)
+        self._send((p.STREAM, call, request, self._take_freed()))
+        return call, self._answers(call, answers)
+
+    def _answers(self, call: int, answers: queue.Queue):
+        try:
+            while True:
+                item = answers.get()
+                if item is _STOPPED:
+                    return
+                if isinstance(item, ProcessDied):
+                    raise item
+                yield item
+                if item[1]:
+                    return
+        finally:
+            self._waiting.pop(call, None)
+
+    def is_ready(self, timeout_s: float) -> bool:
+        """The model's is_ready(), answered within `timeout_s` or taken as "not ready" (Triton's 5 s)."""
+        ref, answer = next(self._ids), queue.Queue()
+        self._checks[ref] = answer
+        try:
+            self._send((p.CHECK, ref))
+            return bool(answer.get(timeout=timeout_s))
+        except queue.Empty:
+            return False
+        finally:
+            self._checks.pop(ref, None)
+
+    def cancel(self, call: int) -> None:
+        """The stream's caller went away: tell the model (is_cancelled()), and stop waiting for it, so a
+        model that never sends its final response does not hold the instance's thread."""
+        target = self._waiting.get(call)
+        if target is not None:
+            self._send((p.CANCEL, call))
+            target.put(_STOPPED)
+
+    def _wait_on(self, call: int) -> queue.Queue:
+        if self.death is not None:
+            raise ProcessDied(self.death)
+        answers = self._waiting[call] = queue.Queue()
+        if self.death is not None:  # it died between the check and the entry: the reader may have passed it
+            answers.put(ProcessDied(self.death))
+        return answers
+
+    def _send(self, frame: tuple) -> None:
+        try:
+            self.link.send(frame)
+        except OSError:
+            pass  # the reader sees the EOF and answers every waiting call with the cause
+
+    def put(self, name: str, array: np.ndarray) -> ipc_tensors.Tensor:
+        with self._blocks_lock:
+            return ipc_tensors.put(name, array, self.arena, self._blocks)
+
+    def view(self, tensor: ipc_tensors.Tensor) -> np.ndarray:
+        return ipc_tensors.view(tensor, self.arena, self._free_theirs)
+
+    def _free_theirs(self, offset: int) -> None:
+        """A block of the child's half whose last view here is gone. It may run on any thread, inside a
+        garbage collection that interrupted a send: so it only notes the block (deque.append is atomic),
+        and the next EXEC or STREAM carries it (`_take_freed`)."""
+        self._freed.append(offset)
+
+    def _take_freed(self) -> list[int]:
+        freed = []
+        while self._freed:
+            freed.append(self._freed.popleft())
+        return freed
+
+    def _free_ours(self, offsets: list[int]) -> None:
+        with self._blocks_lock:
+            for offset in offsets:
+                self._blocks.free(offset)
+
+    # ---- the reader thread
+    def hand_over(self, loop) -> None:
+        """On the event loop: have the link read and written by the loop from now on (the reader thread
+        stops at the child's HANDOVER echo, so exactly one of them ever reads)."""
+        if self._loop is None and self.death is None:
+            self._loop = loop
+            self._send((p.HANDOVER,))
+
+    @property
+    def on_loop(self) -> bool:
+        return self.link is not None and self.link.attached
+
+    def _read(self) -> None:
+        link = self.link
+        while (frame := link.recv()) is not None:
+            if frame[0] == p.HANDOVER:
+                try:
+                    self._loop.call_soon_threadsafe(link.attach, self._loop, self._handle, self._lost)
+                    return
+                except RuntimeError:  # the loop is gone (the server is stopping): keep reading here
+                    continue
+            self._handle(frame)
+        self._died()
+
+    def _handle(self, frame: tuple) -> None:
+        try:
+            self._frame(frame)
+        except Exception:  # one bad frame must not stop the model's answers
+            log.exception("model '%s': a frame from its process could not be handled", self.model)
+
+    def _lost(self) -> None:
+        """On the loop: the link closed. Waiting for the process's status may take a moment: a thread does."""
+        threading.Thread(target=self._died, name=f"ferry-{self.model}-exit", daemon=True).start()
+
+    def _frame(self, frame: tuple) -> None:
+        kind = frame[0]
+        if kind == p.DONE and frame[3]:  # blocks of this side's half the child no longer reads
+            self._free_ours(frame[3])
+        if kind in (p.DONE, p.RESPONSE):
+            target = self._waiting.get(frame[1])
+            if target is not None:
+                target.put(frame[2] if kind == p.DONE else (frame[2], frame[3]))
+        elif kind == p.CHECKED:
+            target = self._checks.get(frame[1])
+            if target is not None:
+                target.put(frame[2])
+        elif kind in (p.READY, p.FAILED, p.AUTO):
+            target = self._waiting.get(0)
+            if target is not None:
+                target.put(frame)
+        elif kind == p.FREE:
+            self._free_ours(frame[1])
+        elif kind == p.LOG:
+            log.log(_LOG_LEVELS.get(frame[1], logging.INFO), "model '%s': %s", self.model, frame[2])
+        else:
+            self._to_server(frame)
+
+    def _to_server(self, frame: tuple) -> None:
+        calls = self._calls()
+        kind = frame[0]
+        if kind == p.METRIC:
+            if calls is not None:
+                calls.metric(self.model, self.version, frame[1:])
+            return
+        ref = frame[1]
+
+        def answer(outputs: dict | None = None, error: tuple[int, str] | None = None, final: bool = True,
+                   parameters: dict | None = None) -> None:
+            """On the event loop: the outputs written once into the server's half of the arena."""
+            reply = None
+            if outputs is not None or error is not None or parameters is not None:
+                reply = p.Reply([self.put(n, a) for n, a in (outputs or {}).items()], error, parameters)
+            self._send((p.CALLED, ref, reply, final))
+
+        if calls is None:
+            answer(None, (p.UNAVAILABLE, "the server cannot take calls from this model yet"))
+        elif kind == p.CALL:
+            call: p.Call = frame[2]
+            calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]))
+        elif kind == p.CONTROL:
+            calls.control(*frame[2:], answer)
+
+    def _died(self) -> None:
+        code = self.proc.wait()
+        if code < 0:
+            cause = f"exited with signal {-code} ({_signal_name(-code)})"
+        else:
+            cause = f"exited with exit code {code}"
+        self.death = f"model process for '{self.model}' {cause}"
+        for answers in list(self._waiting.values()):
+            answers.put(ProcessDied(self.death))
+        self.link.close()
+        if self.arena is not None:
+            self.arena.unlink()
+
+    # ---- ending
+    def stop(self, finalize_s: float) -> None:
+        """finalize() and exit within `finalize_s`; killed past it (or at once when it is 0)."""
+        if self.proc is None:
+            return
+        if finalize_s > 0 and self.death is None:
+            self._send((p.FINALIZE,))
+            try:
+                self.proc.wait(finalize_s)
+            except subprocess.TimeoutExpired:
+                log.warning("model '%s': its process did not finish finalize within %.0f s; killed", self.model,
+                            finalize_s)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(5)
+        if self.arena is not None:
+            self.arena.unlink()
+
+
+class _Reply:
+    """Where a sent call's one answer goes: a function, called on the reader thread (queue-like `put`)."""
+
+    def __init__(self, call: int, waiting: dict, replied: Callable, deadlines: dict):
+        self.call, self.waiting, self.replied, self.deadlines = call, waiting, replied, deadlines
+
+    def put(self, answer) -> None:
+        if self.waiting.pop(self.call, None) is not None:
+            self.deadlines.pop(self.call, None)
+            self.replied(answer)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"

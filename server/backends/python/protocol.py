@@ -1,0 +1,77 @@
+"""What a model process and its instance in the server say to each other (over server/ipc/frames.py).
+
+Frames are tuples whose first item is the kind. Tensors are `server.ipc.tensors.Tensor` records: the
+server writes requests (and BLS answers) into the first half of the instance's arena, the model
+process writes responses (and BLS calls) into the second; each side frees only in its own half, told
+by the side that read the block: in the `freed` list of its next EXEC, STREAM or DONE (a FREE frame
+when many wait).
+
+Server -> model process:
+  INIT(args)                             load model.py, initialize(args); answered READY(face, has is_ready) or
+                                         FAILED(message)
+  CHECK(ref)                             the model's is_ready(); answered CHECKED(ref, bool)
+  AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
+  EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply], freed)
+  STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply, final) 0..N times
+  CANCEL(call)                           the caller went away (is_cancelled() turns true)
+  CALLED(ref, Reply | None, final)       an answer to a BLS call or a model-control call
+  FREE([offsets])                        blocks of the model process's half the server is done with
+  FINALIZE()                             finalize() and exit
+  HANDOVER()                             echoed at once: the server's event loop reads the link after it
+Model process -> server:
+  CALL(ref, Call, call)                  BLS: run a request on another model's runner (for EXEC `call`)
+  CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
+  METRIC(op, family, labels, value)      custom metrics: the server owns the Prometheus families
+  LOG(level, message)                    pb_utils.Logger
+  CHECKED(ref, ready)                    is_ready()'s answer
+  FREE([offsets])                        blocks of the server's half the model is done with
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from server.ipc.tensors import Tensor
+
+INIT, AUTO, EXEC, STREAM, CANCEL, CALLED, FREE, FINALIZE = (
+    "init", "auto", "exec", "stream", "cancel", "called", "free", "finalize")
+READY, FAILED, DONE, RESPONSE, CALL, CONTROL, METRIC, LOG = (
+    "ready", "failed", "done", "response", "call", "control", "metric", "log")
+CHECK, CHECKED, HANDOVER = "check", "checked", "handover"
+
+TRITON, FERRY = "triton", "ferry"  # the two faces of a model.py: `class TritonPythonModel` or `class Model`
+
+# Triton's error codes (pb_utils.TritonError), as the numbers its stub uses.
+UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+
+class Request(NamedTuple):
+    """One request as the model sees it (Triton's InferenceRequest accessors read these)."""
+
+    id: str
+    inputs: list[Tensor]
+    requested: tuple[str, ...]
+    parameters: dict[str, Any]
+    correlation_id: int | str = 0
+    flags: int = 0
+
+
+class Reply(NamedTuple):
+    """One response: outputs, or an error (a Triton error code and the message the caller reads)."""
+
+    outputs: list[Tensor]
+    error: tuple[int, str] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Call(NamedTuple):
+    """A BLS request from model code: run on the named model's runner, as a client's request would."""
+
+    model: str
+    version: str  # "" for the latest ready version
+    inputs: list[Tensor]
+    requested: tuple[str, ...]
+    parameters: dict[str, Any]
+    request_id: str
+    timeout_us: int
+    decoupled: bool

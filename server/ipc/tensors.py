@@ -1,0 +1,67 @@
+"""Tensors between Ferry's processes: written once into an arena block, read as numpy views over it.
+
+The record says where a tensor is: in the arena (`offset` set, `data` None) or inline in the frame
+(`data` its raw KServe bytes), used when the arena is missing or full. A writer allocates in the half
+of the arena it owns and writes each tensor once; the reader makes views (no copy) and hands a block
+back (the owner frees it) only when its last view is gone: `view` arranges that with a finalizer on
+the object every view keeps alive. BYTES travel as their raw KServe bytes (length-prefixed elements)
+and are parsed on arrival, which copies them anyway, so their block is handed back at once.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from server import datatypes, tensors
+from server.ipc.arena import Allocator, Arena
+
+
+class Tensor(NamedTuple):
+    name: str
+    datatype: str  # the KServe datatype, e.g. "FP32"
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int | None = None  # where in the arena, or None: inline
+    data: bytes | None = None
+
+
+def put(name: str, array: np.ndarray, arena: Arena | None, blocks: Allocator | None) -> Tensor:
+    """`array` written once into a block of `blocks` (inline when there is no arena or it does not fit)."""
+    array = np.asarray(array)
+    api = datatypes.from_numpy(array.dtype).api
+    raw = tensors.to_raw(array) if array.dtype.kind in "OSU" else None
+    nbytes = len(raw) if raw is not None else array.nbytes
+    offset = blocks.allocate(nbytes) if blocks is not None and nbytes else None
+    if offset is None:
+        return Tensor(name, api, tuple(array.shape), nbytes, None, raw if raw is not None else array.tobytes())
+    if raw is not None:
+        arena.view[offset : offset + nbytes] = raw
+    else:
+        np.ndarray(array.shape, array.dtype, buffer=arena.mapping, offset=offset)[...] = array
+    return Tensor(name, api, tuple(array.shape), nbytes, offset)
+
+
+def view(tensor: Tensor, arena: Arena | None, free: Callable[[int], None]) -> np.ndarray:
+    """The tensor as a numpy array over the arena (or the frame's bytes); `free(offset)` runs once the
+    last view of an arena block is gone (for BYTES, at once: the parsed elements are copies)."""
+    dtype = datatypes.BY_API[tensor.datatype]
+    if tensor.offset is None:
+        return tensors.from_raw(tensor.name, dtype, tuple(tensor.shape), tensor.data)
+    array = tensors.from_raw(tensor.name, dtype, tuple(tensor.shape),
+                             arena.view[tensor.offset : tensor.offset + tensor.nbytes])
+    if array.dtype == object:
+        free(tensor.offset)
+    else:
+        weakref.finalize(root(array), free, tensor.offset).atexit = False  # nobody is left to tell at exit
+    return array
+
+
+def root(array: np.ndarray):
+    """The object every numpy view of `array` keeps alive: its data's first non-array owner."""
+    owner = array
+    while isinstance(owner, np.ndarray):
+        owner = owner.base
+    return owner

@@ -1,0 +1,147 @@
+"""What a Python model process asks of the server: BLS requests, model control, metrics, restarts.
+
+A BLS request (`pb_utils.InferenceRequest(...).exec()`) arrives on the model process's reader thread
+and runs here on the event loop, through the called model's own runner, found through the registry
+at call time as an ensemble's steps are: so it is batched with everyone else's traffic to that model,
+counted in its statistics, and held to its queue policy. The answer (or the error, as a Triton error
+code and message) goes back over the link. A decoupled model called with `exec(decoupled=True)`
+streams its responses back one by one; a batching model called that way answers once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from typing import Callable
+
+import numpy as np
+
+from server.backends.python import protocol as p
+from server.custom_metrics import CustomMetrics
+from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, ModelNotFoundError,
+                           ModelUnavailableError, QueueFullError, UnsupportedError)
+from server.metrics import ModelProcessRestarts
+from server.request import InferRequest
+from server.runners.base import DECOUPLED, INFER
+from server.runners.ensemble import LateLookup
+
+log = logging.getLogger(__name__)
+Answer = Callable[..., None]  # answer(outputs=None, error=None, final=True)
+_CODES = [(InvalidInputError, p.INVALID_ARG), (ModelNotFoundError, p.NOT_FOUND), (QueueFullError, p.UNAVAILABLE),
+          (ModelUnavailableError, p.UNAVAILABLE), (UnsupportedError, p.UNSUPPORTED),
+          (AlreadyExistsError, p.ALREADY_EXISTS)]
+
+
+class LateControl:
+    """The server's model control (server/model_control.py), bound once the registry exists: pb_utils.load_model
+    and unload_model go through it, so model code meets the same mode and upload rules as a client does."""
+
+    def __init__(self):
+        self.control = None
+
+    def bind(self, control) -> None:
+        self.control = control
+
+
+class ModelCalls:
+    def __init__(self, loop: asyncio.AbstractEventLoop, lookup: LateLookup, control: LateControl,
+                 restarts: ModelProcessRestarts | None, custom: CustomMetrics | None):
+        self.loop, self.lookup, self.control_ = loop, lookup, control
+        self.restarts, self.custom = restarts, custom
+
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None = None) -> Future:
+        """`deadline_ns`: the calling requests' deadline, which the call inherits (with its own timeout)."""
+        return asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns), self.loop)
+
+    async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None) -> None:
+        try:
+            model = self.lookup(call.model, call.version)
+            request = _request(model, call, inputs, deadline_ns)
+            del inputs
+            if model.runner.serves == DECOUPLED:
+                if not call.decoupled:
+                    raise InvalidInputError(f"model '{call.model}' is decoupled: call it with exec(decoupled=True)")
+                async for outputs in model.runner.stream(request):
+                    answer(_wanted(outputs, call), None, False)
+                answer(None, None, True)
+                return
+            if model.runner.serves != INFER:
+                raise UnsupportedError(f"model '{call.model}' is a generation model; BLS calls reach batching and "
+                                       "decoupled models")
+            outputs = _wanted(await model.runner.infer(request), call)
+            if call.decoupled:
+                answer(outputs, None, False)
+                answer(None, None, True)
+            else:
+                answer(outputs)
+        except FerryError as exc:
+            answer(None, (code_of(exc), exc.message), True)
+        except Exception as exc:  # the caller must hear back whatever went wrong here
+            log.exception("BLS call to model '%s' failed unexpectedly", call.model)
+            answer(None, (p.INTERNAL, f"{type(exc).__name__}: {exc}"), True)
+
+    def control(self, op: str, name: str, version: str, config: str, files: dict, answer: Answer) -> Future:
+        return asyncio.run_coroutine_threadsafe(self._control(op, name, version, config, files, answer), self.loop)
+
+    async def _control(self, op: str, name: str, version: str, config: str, files: dict, answer: Answer) -> None:
+        try:
+            answer(None, None, True, {"value": await self._controlled(op, name, version, config, files)})
+        except FerryError as exc:
+            answer(None, (code_of(exc), exc.message), True)
+
+    async def _controlled(self, op: str, name: str, version: str, config: str, files: dict) -> bool:
+        if op == "ready":
+            try:
+                self.lookup(name, version)
+            except FerryError:
+                return False
+            return True
+        control = self.control_.control
+        if control is None:
+            raise ModelUnavailableError("the server is starting")
+        if op == "load":
+            if config or files:
+                raise UnsupportedError("pb_utils.load_model with a config or files is not supported yet; load the "
+                                       "model from its folder in the repository")
+            await control.load(name, {})
+        else:
+            await control.unload(name)
+        return True
+
+    def metric(self, model: str, version: int, update: tuple) -> None:
+        if self.custom is not None:
+            self.custom.update(model, *update)
+
+    def restarted(self, model: str, version: int) -> None:
+        if self.restarts is not None:
+            self.restarts.restarted(model, version)
+
+
+def code_of(exc: FerryError) -> int:
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return code
+    return p.INTERNAL
+
+
+def _wanted(outputs: dict[str, np.ndarray], call: p.Call) -> dict[str, np.ndarray]:
+    return {name: outputs[name] for name in call.requested if name in outputs} if call.requested else outputs
+
+
+def _request(model, call: p.Call, inputs: dict[str, np.ndarray], inherited_ns: int | None) -> InferRequest:
+    """As a client's request to `model` would be checked (names, shapes, datatypes, requested outputs)."""
+    batch_size, key = model.signature.check_inputs(inputs)
+    if call.requested:
+        model.signature.check_outputs(call.requested)
+    now = time.monotonic_ns()
+    params = dict(call.parameters)
+    priority = params.pop("priority", 0) if isinstance(params.get("priority", 0), int) else 0
+    deadlines = [d for d in (now + call.timeout_us * 1000 if call.timeout_us else None, inherited_ns) if d is not None]
+    return InferRequest(
+        model_name=model.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=call.request_id,
+        requested_outputs=tuple(call.requested), parameters=params, priority=priority, timeout_us=call.timeout_us,
+        deadline_ns=min(deadlines) if deadlines else None, arrival_ns=now,
+        length=model.signature.length(inputs), nbytes=sum(a.nbytes for a in inputs.values()),
+    )
