@@ -164,6 +164,10 @@ class ModelStats:
         with self._lock:
             self.batch_reruns += runs
 
+    def set_pending(self, pending: int) -> None:
+        """Between turns (an arrival that needs none): only the queue depth moved."""
+        self.pending = pending
+
     def set_gauges(self, gauges) -> None:
         """`gauges`: the scheduler's Gauges record, the one way policy state reaches the metrics."""
         self.pending, self.window_ns = gauges.pending, gauges.window_ns

@@ -1,14 +1,15 @@
 """The batching runner: feeds one model version's instances from its scheduler, on the event loop.
 
-The runner takes a turn (feed free instances from the scheduler, keep one timer set for the
-scheduler's next event) when something happens: a request arrives while an instance is free or with a
-deadline sooner than the timer, the timer fires (a batching window closing, a deadline passing), an
-instance is freed. So deadlines fire on time even while every instance is busy, and a busy model does
-not pay a turn per arrival. An arrival's or the timer's turn runs once the callbacks ready at that
-moment have run (requests arriving in one pass of the event loop are offered together, as when a
-wake-up of the loop's task ran it), but as one plain callback: on a light model at 64 clients, waking
-the loop's task per arrival (a task switch, a timer cancelled and made again) was a good part of what
-the runner cost per request. The loop's task runs the first turn and the drain.
+The runner takes a turn (feed free instances from the scheduler, keep one timer set for the scheduler's next
+event) when something happens: a request arrives while an instance is free and the scheduler says the
+arrival matters (it may complete a batch or move the next event; one that only joins a window already
+decided does not), or with a deadline sooner than the timer; the timer fires (a batching window closing, a
+deadline passing); an instance is freed. So deadlines fire on time even while every instance is busy, and
+neither a busy model nor a waiting window pays a turn per arrival. An arrival's or the timer's turn runs
+once the callbacks ready at that moment have run (requests arriving in one pass of the event loop are
+offered together, as when a wake-up of the loop's task ran it), but as one plain callback: on a light model
+at 64 clients, waking the loop's task per arrival (a task switch, a timer cancelled and made again) was a
+good part of what the runner cost per request. The loop's task runs the first turn and the drain.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class ModelRunner(RunnerBase):
         if request.trace is not None:
             request.trace.mark(QUEUE_START)
         try:
-            self.scheduler.submit(request, time.monotonic_ns())
+            matters = self.scheduler.submit(request, time.monotonic_ns())
         except BaseException as exc:
             self._give_bytes(request.nbytes)
             if isinstance(exc, QueueFullError):
@@ -93,10 +94,10 @@ class ModelRunner(RunnerBase):
         if self._order is not None:
             self._order.admit(request)
         self._admitted.add(request)
-        if self._idle or _sooner(request.deadline_ns, self._timer_ns):
+        if (self._idle and matters is not False) or _sooner(request.deadline_ns, self._timer_ns):
             self._turn_soon()
-        else:  # every instance is busy and no earlier timer is needed: the next release cuts the batch
-            self.stats.set_gauges(self.scheduler.gauges())
+        else:  # nothing to cut now and the timer set is still right: the timer or the next release cuts the batch
+            self.stats.set_pending(len(self.scheduler))
         try:
             outputs = await request.future
         except asyncio.CancelledError:

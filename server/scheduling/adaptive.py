@@ -84,6 +84,9 @@ class FixedWindow:
     def on_arrival(self, now_ns: int, in_system: int) -> None:
         pass
 
+    def still_expecting(self, rows: int, in_system: int, now_ns: int) -> bool:
+        return True
+
     def on_batch(self, rows: int, exec_ns: int) -> None:
         pass
 
@@ -153,6 +156,19 @@ class AdaptiveWindow:
         recent.append(now_ns)
         while recent[0] < now_ns - _RATE_WINDOW_NS:
             recent.popleft()
+
+    def still_expecting(self, rows: int, in_system: int, now_ns: int) -> bool:
+        """Whether more rows are still expected for a group of `rows` that is waiting (close_ns's first
+        tests, without the rest): the batcher asks this per arrival and the whole question only when a
+        window opens or closes, so an arrival costs a comparison, not a decision (nor a new timer)."""
+        expected = self.concurrency - in_system
+        frontend_bound = self.frontend_busy is not None and self.frontend_busy >= _FRONTEND_BUSY
+        if frontend_bound and rows >= _FRONTEND_MIN_ROWS:
+            expected = max(expected, -(-rows // 4))
+        if min(expected, self.max_batch_size - rows) < 1:
+            return False
+        gap = self._gap_ns
+        return gap is None or now_ns - self._last_arrival_ns <= (_FRONTEND_PAUSE_GAPS if frontend_bound else _PAUSE_GAPS) * gap
 
     def _sustained_rate(self) -> float:
         recent = self._recent

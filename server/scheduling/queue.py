@@ -45,12 +45,16 @@ class QueuePolicy:
 class Group:
     """Queued requests that share a join key, one FIFO lane per priority level plus a late lane."""
 
-    __slots__ = ("key", "lanes", "rows")
+    __slots__ = ("key", "lanes", "rows", "decided_head", "decided_rows", "close_ns")
 
     def __init__(self, key: tuple, levels: int):
         self.key = key
         self.lanes = [deque() for _ in range(levels + 1)]  # last lane: DELAY requests past their deadline
         self.rows = 0  # batch rows of every request queued here, kept by the queue
+        # The batcher's window decision for the current head (dynamic.py), not made per arrival: when it
+        # was made, for how many rows, and when the window closes. Stale once the head is another request.
+        self.decided_head: InferRequest | None = None
+        self.decided_rows = self.close_ns = 0
 
     def head(self) -> InferRequest | None:
         for lane in self.lanes:
@@ -90,8 +94,13 @@ class RequestQueue:
     def policy(self, level: int) -> QueuePolicy:
         return self.policies[level - 1]
 
-    def push(self, request: InferRequest, now_ns: int, group_key: tuple | None = None) -> None:
-        """Admit a request into the group of `group_key` (default: its join key); raises QueueFullError."""
+    @property
+    def group_count(self) -> int:
+        return len(self._groups)
+
+    def push(self, request: InferRequest, now_ns: int, group_key: tuple | None = None) -> Group:
+        """Admit a request into the group of `group_key` (default: its join key), which is returned; raises
+        QueueFullError."""
         level = request.priority = self.level(request.priority)
         policy = self.policy(level)
         limit = policy.max_queue_size
@@ -116,6 +125,7 @@ class RequestQueue:
         self._place(request, group, level - 1)
         if request.deadline_ns is not None:
             heapq.heappush(self._deadlines, (request.deadline_ns, request.sequence, request))
+        return group
 
     def remove(self, request: InferRequest) -> bool:
         lane = request.slot
