@@ -28,7 +28,8 @@ request, a worker thread, one hand-back per batch): how much of Ferry's cost abo
 server pays, and how much is Ferry's own code.
 
 `--adaptive-ms T`: a third server, Ferry behind the adaptive window (latency target T ms) instead of the
-fixed one, in the same rounds (and, with --profile, profiled too): what the adaptive window costs.
+fixed one, in the same rounds (and, with --profile, profiled too): what the adaptive window costs. With
+--baseline, the baseline commit serves the adaptive window too.
 
 `--profile N`: afterwards, serve Ferry under cProfile (main thread: the event loop), drive the same
 load once, and print the N functions with the most own time, per request.
@@ -55,6 +56,8 @@ from bench import common, models, peers
 from clients import loadgen
 
 FERRY, FLOOR, BASELINE, HOP, ADAPTIVE = "Ferry", "floor", "Ferry baseline", "floor + batching hop", "Ferry adaptive"
+ADAPTIVE_BASELINE = "Ferry adaptive baseline"
+FERRIES = (FERRY, BASELINE, ADAPTIVE, ADAPTIVE_BASELINE)
 MODEL = "light"
 
 
@@ -120,7 +123,7 @@ def measure(servers: dict, load: list[bytes], args: argparse.Namespace) -> dict[
         k = r % len(names)
         for name in names[k:] + names[:k]:
             proc, address = servers[name]
-            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name in (FERRY, BASELINE, ADAPTIVE)))
+            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name in FERRIES))
         print(f"hotpath: round {r + 1}: " + "  ".join(
             f"{n}: loop {runs[n][-1]['loop_us']:.0f} us, process {runs[n][-1]['process_us']:.0f} us" for n in names), flush=True)
     return runs
@@ -141,7 +144,8 @@ def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
     lines.append("")
     pairs = [(FERRY, FLOOR)] + ([(BASELINE, FLOOR), (FERRY, BASELINE)] if BASELINE in runs else []) + (
         [(HOP, FLOOR), (FERRY, HOP)] if HOP in runs else []) + (
-        [(ADAPTIVE, FLOOR), (ADAPTIVE, FERRY)] if ADAPTIVE in runs else [])
+        [(ADAPTIVE, FLOOR), (ADAPTIVE, FERRY)] if ADAPTIVE in runs else []) + (
+        [(ADAPTIVE, ADAPTIVE_BASELINE)] if ADAPTIVE_BASELINE in runs else [])
     for top, bottom in pairs:
         for key, label in (("loop_us", "event loop CPU per request"), ("process_us", "whole process CPU per request"),
                            ("rps", "requests/s")):
@@ -192,9 +196,9 @@ def serve_profiled(stats_file: str, argv: list[str]) -> None:
     ferry_main(["serve", *argv])
 
 
-def start_baseline(commit: str, repo: Path, tmp: Path):
+def start_baseline(commit: str, repo: Path, tmp: Path, name: str = "baseline"):
     """Ferry as it was at `commit` (exported from this repository's git), serving the same model."""
-    tree = tmp / "baseline"
+    tree = tmp / name
     tree.mkdir()
     archive = subprocess.run(["git", "archive", commit], cwd=common.ROOT, capture_output=True, check=True, timeout=120).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
@@ -215,7 +219,9 @@ def measure_all(repo: Path, load: list[bytes], args: argparse.Namespace, tmp: Pa
         if args.hop:
             servers[HOP] = common.start_server([sys.executable, "-m", "bench.floor_server", "0", "--batched"])
         if args.baseline:
-            servers[BASELINE] = start_baseline(args.baseline, repo, Path(tmp))
+            servers[BASELINE] = start_baseline(args.baseline, repo, Path(tmp), "baseline")
+            if args.adaptive_ms:
+                servers[ADAPTIVE_BASELINE] = start_baseline(args.baseline, adaptive, Path(tmp), "baseline-adaptive")
         for _, address in servers.values():  # warm both: first calls, ONNX Runtime's first runs
             drive(address, load, args.concurrency, 2000)
         t0 = time.monotonic()

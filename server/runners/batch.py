@@ -101,6 +101,8 @@ class ModelRunner(RunnerBase):
         try:
             outputs = await request.future
         except asyncio.CancelledError:
+            if self._order is None and _answered(request.future):
+                raise  # answered (and counted with its batch) just before the caller left
             now = time.monotonic_ns()
             queued = self.scheduler.cancel(request)
             missed = queued and request.expired(now + _CALLER_CLOCK_LEAD_NS)
@@ -118,7 +120,8 @@ class ModelRunner(RunnerBase):
         finally:
             self._admitted.discard(request)
             self._give_bytes(request.nbytes)
-        self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
+        if self._order is not None:  # otherwise counted with its batch, when answered (_answer)
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return outputs
 
     async def _loop(self) -> None:
@@ -254,9 +257,12 @@ class ModelRunner(RunnerBase):
             if traced:
                 batch_ran(traced, self.name, part.size, len(part.requests), result.padding.padded, worker.name, result)
             if self._order is None:  # nothing to keep in order: set each answer now, no closure per request
+                now, totals = time.monotonic_ns(), []
                 for request, outputs in zip(part.requests, result.outputs):
                     if not request.future.done():
                         request.future.set_result(outputs)
+                        totals.append(now - request.arrival_ns)
+                self.stats.record_successes(totals)  # one lock for the batch, not one per request
             else:
                 for request, outputs in zip(part.requests, result.outputs):
                     self._finish(request, _setter(request, outputs))
@@ -311,6 +317,10 @@ def _instance_ns(outcome) -> int | None:
         return None
     result = outcome.answered[0][1]
     return result.input_ns + result.infer_ns + result.output_ns
+
+
+def _answered(future: asyncio.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _sooner(deadline_ns: int | None, timer_ns: int | None) -> bool:
