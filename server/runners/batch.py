@@ -18,6 +18,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 
 import numpy as np
 
@@ -70,12 +71,13 @@ class ModelRunner(RunnerBase):
         for request in list(self._admitted):
             _abandon(request, error)
 
-    async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """Queue a request and wait for its outputs; a cancelled caller leaves the queue."""
+    def infer(self, request: InferRequest) -> Awaitable[dict[str, np.ndarray]]:
+        """Queue a request and wait for its outputs (await it); a cancelled caller leaves the queue. Not a
+        coroutine itself: the caller awaits the one doing the work, one coroutine per request, not two."""
         self._admit_check()
         if self._cache is not None:  # a hit never queues (server/response_cache.py)
-            return await response_cache.answer(self._cache, self._cache_scope, request, self.stats, self._queue_and_wait)
-        return await self._queue_and_wait(request)
+            return response_cache.answer(self._cache, self._cache_scope, request, self.stats, self._queue_and_wait)
+        return self._queue_and_wait(request)
 
     async def _queue_and_wait(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Charge the request's bytes to the budgets, queue it, wait for its outputs; the bytes are given

@@ -33,6 +33,8 @@ class QueuePolicy:
         Unlike Triton, a request's `timeout` counts even when the policy sets no default; when the
         policy does set one, the request may only replace it if overriding is allowed.
         """
+        if not (timeout_us or self.default_timeout_us):  # the usual case: only the RPC's deadline, if any
+            return rpc_deadline_ns
         candidates = [rpc_deadline_ns] if rpc_deadline_ns is not None else []
         own = timeout_us if timeout_us else None
         if self.default_timeout_us and not (own and self.allow_timeout_override):
