@@ -87,6 +87,9 @@ class FixedWindow:
     def still_expecting(self, rows: int, in_system: int, now_ns: int) -> bool:
         return True
 
+    def pause_ns(self, rows: int) -> int | None:
+        return None
+
     def on_batch(self, rows: int, exec_ns: int) -> None:
         pass
 
@@ -169,6 +172,15 @@ class AdaptiveWindow:
             return False
         gap = self._gap_ns
         return gap is None or now_ns - self._last_arrival_ns <= (_FRONTEND_PAUSE_GAPS if frontend_bound else _PAUSE_GAPS) * gap
+
+    def pause_ns(self, rows: int) -> int | None:
+        """When a group of `rows` should look again for a silence that ends its window (the loop-bound rule:
+        a silence of two mean gaps means everyone is here, and an idle loop must not wait out the window);
+        None where that rule does not apply. The batcher sets no timer per arrival for it: a look that finds
+        the rows still coming keeps the window and sets the next look from the latest arrival."""
+        if rows < _FRONTEND_MIN_ROWS or self._gap_ns is None or self.frontend_busy is None or self.frontend_busy < _FRONTEND_BUSY:
+            return None
+        return int(self._last_arrival_ns + _FRONTEND_PAUSE_GAPS * self._gap_ns) + 1
 
     def _sustained_rate(self) -> float:
         recent = self._recent

@@ -101,9 +101,11 @@ class DynamicBatcher(Scheduler):
         times = []
         if self.settings.join and self.settings.max_batch_size > 0:
             for group in self.queue.groups():
-                close = self._close_ns(group, self._fill(group)[1], now_ns)
+                rows = self._fill(group)[1]
+                close = self._close_ns(group, rows, now_ns)
                 if close > now_ns:
-                    times.append(close)
+                    pause = self.window.pause_ns(rows)
+                    times.append(close if pause is None or pause <= now_ns else min(close, pause))
         deadline = self.queue.next_deadline_ns()
         if deadline is not None:
             times.append(deadline)
