@@ -80,12 +80,13 @@ class RequestQueue:
         self.max_total = max_total  # server-wide backstop so memory stays bounded when policies say "unbounded"
         self._groups: dict[tuple, Group] = {}
         self._per_level = [0] * (len(policies) + 1)
+        self._size = 0  # sum(self._per_level), kept: asked several times per arrival
         self._deadlines: list[tuple[int, int, InferRequest]] = []
         self._departed = 0  # heap entries whose request already left the queue
         self._sequence = itertools.count()
 
     def __len__(self) -> int:
-        return sum(self._per_level)
+        return self._size
 
     def level(self, priority: int | None) -> int:
         """Map a request's `priority` parameter to a level: 0 or out of range -> the default (as Triton)."""
@@ -187,11 +188,13 @@ class RequestQueue:
         lane.append(request)
         request.slot, request.lane = lane, index
         self._per_level[index] += 1
+        self._size += 1
         group.rows += request.batch_size
 
     def _unplace(self, request: InferRequest, group: Group) -> None:
         request.slot = None
         self._per_level[request.lane] -= 1
+        self._size -= 1
         group.rows -= request.batch_size
         if request.deadline_ns is not None:
             self._departed += 1
