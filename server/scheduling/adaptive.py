@@ -177,10 +177,13 @@ class AdaptiveWindow:
         """When a group of `rows` should look again for a silence that ends its window (the loop-bound rule:
         a silence of two mean gaps means everyone is here, and an idle loop must not wait out the window);
         None where that rule does not apply. The batcher sets no timer per arrival for it: a look that finds
-        the rows still coming keeps the window and sets the next look from the latest arrival."""
+        the rows still coming keeps the window and sets the next look from the latest arrival. Looks come
+        every quarter of the rows in gaps (at least two gaps): a look every two gaps cost a turn of the runner
+        per arrival, and a quarter of the rows is the silence the window waited for when it was decided per
+        arrival (its close then moved to the latest arrival plus the quarter still expected)."""
         if rows < _FRONTEND_MIN_ROWS or self._gap_ns is None or self.frontend_busy is None or self.frontend_busy < _FRONTEND_BUSY:
             return None
-        return int(self._last_arrival_ns + _FRONTEND_PAUSE_GAPS * self._gap_ns) + 1
+        return int(self._last_arrival_ns + max(_FRONTEND_PAUSE_GAPS, rows / 4) * self._gap_ns) + 1
 
     def _sustained_rate(self) -> float:
         recent = self._recent

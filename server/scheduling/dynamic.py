@@ -18,6 +18,7 @@ close, stays as it is.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 from server.request import Batch, InferRequest
@@ -45,8 +46,10 @@ class DynamicBatcher(Scheduler):
         self._executing = 0  # requests dispatched and not yet completed
         if settings.latency_target_ns:
             self.window = AdaptiveWindow(settings.latency_target_ns, settings.max_batch_size)
+            self._redecide_growth = _REDECIDE_GROWTH
         else:
             self.window = FixedWindow(settings.max_queue_delay_ns)
+            self._redecide_growth = math.inf  # a fixed window's close does not depend on the rows
 
     def __len__(self) -> int:
         return len(self.queue)
@@ -63,7 +66,7 @@ class DynamicBatcher(Scheduler):
         if not settings.join or self._preferred or group.decided_head is not group.head() or self.queue.group_count != 1:
             return True
         rows = group.rows
-        return (rows >= settings.max_batch_size or now_ns >= group.close_ns or rows >= _REDECIDE_GROWTH * group.decided_rows
+        return (rows >= settings.max_batch_size or now_ns >= group.close_ns or rows >= self._redecide_growth * group.decided_rows
                 or not self.window.still_expecting(rows, self._in_system, now_ns))
 
     def complete(self, batch: Batch, exec_ns: int | None, now_ns: int) -> None:
@@ -155,7 +158,7 @@ class DynamicBatcher(Scheduler):
         """When the group's window closes: decided anew for a new head, a group grown by half or once the decided
         close has come (see NOTE); in between, the decision stands unless nobody else is expected any more."""
         head = group.head()
-        if group.decided_head is head and now_ns < group.close_ns and rows < _REDECIDE_GROWTH * group.decided_rows:
+        if group.decided_head is head and now_ns < group.close_ns and rows < self._redecide_growth * group.decided_rows:
             return group.close_ns if self.window.still_expecting(rows, self._in_system, now_ns) else now_ns
         close = self.window.close_ns(head.enqueue_ns, rows, now_ns, self._in_system)
         group.decided_head, group.decided_rows, group.close_ns = head, rows, close
