@@ -193,6 +193,8 @@ class RequestQueue:
 
     def _unplace(self, request: InferRequest, group: Group) -> None:
         request.slot = None
+        if group.decided_head is request:  # its window's decision goes with it (and holds no inputs alive)
+            group.decided_head = None
         self._per_level[request.lane] -= 1
         self._size -= 1
         group.rows -= request.batch_size
