@@ -1,7 +1,8 @@
 """Server CPU per request on the light model: Ferry against the bare grpc.aio handler, same run.
 
     python -m bench.hotpath [--requests 6000] [--rounds 5] [--concurrency 64] [--window-us 1000]
-                            [--max-batch 128] [--baseline COMMIT] [--hop] [--profile 20] [--no-record]
+                            [--max-batch 128] [--baseline COMMIT] [--hop] [--adaptive-ms 50] [--profile 20]
+                            [--no-record]
 
 On an overhead-bound model Ferry's throughput is set by the CPU its event loop spends per request, so
 that is what this measures, and not requests/s: CPU seconds per served request do not move when other
@@ -25,6 +26,10 @@ compares the code's cost per request and per batch without that feedback.
 `--hop`: a third server, the floor behind a batching hop (bench/floor_server.py --batched: a future per
 request, a worker thread, one hand-back per batch): how much of Ferry's cost above the floor any batching
 server pays, and how much is Ferry's own code.
+
+`--adaptive-ms T`: a third server, Ferry behind the adaptive window (latency target T ms) instead of the
+fixed one, in the same rounds (and, with --profile, profiled too): what the adaptive window costs. With
+--baseline, the baseline commit serves the adaptive window too.
 
 `--profile N`: afterwards, serve Ferry under cProfile (main thread: the event loop), drive the same
 load once, and print the N functions with the most own time, per request.
@@ -50,17 +55,21 @@ import numpy as np
 from bench import common, models, peers
 from clients import loadgen
 
-FERRY, FLOOR, BASELINE, HOP = "Ferry", "floor", "Ferry baseline", "floor + batching hop"
+FERRY, FLOOR, BASELINE, HOP, ADAPTIVE = "Ferry", "floor", "Ferry baseline", "floor + batching hop", "Ferry adaptive"
+ADAPTIVE_BASELINE = "Ferry adaptive baseline"
+FERRIES = (FERRY, BASELINE, ADAPTIVE, ADAPTIVE_BASELINE)
 MODEL = "light"
 
 
-def build(root: Path, window_us: int, max_batch: int) -> Path:
-    """The light MLP (bench/models.py) behind a fixed batching window, one instance, as bench/peers.py serves it."""
-    repo = root / "repo"
+def build(root: Path, window_us: int, max_batch: int, target_ms: int = 0) -> Path:
+    """The light MLP (bench/models.py) behind a fixed batching window (or, with `target_ms`, the adaptive
+    window holding that latency target), one instance, as bench/peers.py serves it."""
+    repo = root / ("repo" if not target_ms else "repo-adaptive")
     models.light_mlp(repo / MODEL / "1" / "model.onnx")
+    window = f"latency_target_ms: {target_ms}" if target_ms else f"max_queue_delay_microseconds: {window_us}"
     (repo / MODEL / "config.yaml").write_text(
         f"max_batch_size: {max_batch}\ninstance_group: [{{count: 1, kind: KIND_CPU}}]\n"
-        f"dynamic_batching: {{max_queue_delay_microseconds: {window_us}}}\n")
+        f"dynamic_batching: {{{window}}}\n")
     return repo
 
 
@@ -114,7 +123,7 @@ def measure(servers: dict, load: list[bytes], args: argparse.Namespace) -> dict[
         k = r % len(names)
         for name in names[k:] + names[:k]:
             proc, address = servers[name]
-            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name in (FERRY, BASELINE)))
+            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name in FERRIES))
         print(f"hotpath: round {r + 1}: " + "  ".join(
             f"{n}: loop {runs[n][-1]['loop_us']:.0f} us, process {runs[n][-1]['process_us']:.0f} us" for n in names), flush=True)
     return runs
@@ -123,7 +132,8 @@ def measure(servers: dict, load: list[bytes], args: argparse.Namespace) -> dict[
 def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
     lines = [f"Light MLP (bench/models.py), batch-1 requests, closed loop at concurrency {args.concurrency}, "
              f"{args.requests} requests per run, {args.rounds} interleaved rounds; Ferry: fixed "
-             f"{args.window_us / 1000:g} ms window, max batch {args.max_batch}, 1 instance. Server CPU per served request "
+             f"{args.window_us / 1000:g} ms window" + (f" (Ferry adaptive: latency target {args.adaptive_ms} ms)" if args.adaptive_ms else "")
+             + f", max batch {args.max_batch}, 1 instance. Server CPU per served request "
              "(median over rounds, min-max):", "",
              "| server | event loop (main thread) us/request | whole process us/request | mean batch | req/s |",
              "|---|---|---|---|---|"]
@@ -133,7 +143,9 @@ def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
         lines.append(f"| {name} | {cells[0]} | {cells[1]} | {batch} | {median([x['rps'] for x in found]):.0f} |")
     lines.append("")
     pairs = [(FERRY, FLOOR)] + ([(BASELINE, FLOOR), (FERRY, BASELINE)] if BASELINE in runs else []) + (
-        [(HOP, FLOOR), (FERRY, HOP)] if HOP in runs else [])
+        [(HOP, FLOOR), (FERRY, HOP)] if HOP in runs else []) + (
+        [(ADAPTIVE, FLOOR), (ADAPTIVE, FERRY)] if ADAPTIVE in runs else []) + (
+        [(ADAPTIVE, ADAPTIVE_BASELINE)] if ADAPTIVE_BASELINE in runs else [])
     for top, bottom in pairs:
         for key, label in (("loop_us", "event loop CPU per request"), ("process_us", "whole process CPU per request"),
                            ("rps", "requests/s")):
@@ -184,9 +196,9 @@ def serve_profiled(stats_file: str, argv: list[str]) -> None:
     ferry_main(["serve", *argv])
 
 
-def start_baseline(commit: str, repo: Path, tmp: Path):
+def start_baseline(commit: str, repo: Path, tmp: Path, name: str = "baseline"):
     """Ferry as it was at `commit` (exported from this repository's git), serving the same model."""
-    tree = tmp / "baseline"
+    tree = tmp / name
     tree.mkdir()
     archive = subprocess.run(["git", "archive", commit], cwd=common.ROOT, capture_output=True, check=True, timeout=120).stdout
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
@@ -200,11 +212,16 @@ def measure_all(repo: Path, load: list[bytes], args: argparse.Namespace, tmp: Pa
     servers = {}
     try:
         servers[FERRY] = common.start_server(common.ferry_command(repo))
+        if args.adaptive_ms:
+            adaptive = build(Path(tmp), args.window_us, args.max_batch, args.adaptive_ms)
+            servers[ADAPTIVE] = common.start_server(common.ferry_command(adaptive))
         servers[FLOOR] = common.start_server([sys.executable, "-m", "bench.floor_server", "0"])
         if args.hop:
             servers[HOP] = common.start_server([sys.executable, "-m", "bench.floor_server", "0", "--batched"])
         if args.baseline:
-            servers[BASELINE] = start_baseline(args.baseline, repo, Path(tmp))
+            servers[BASELINE] = start_baseline(args.baseline, repo, Path(tmp), "baseline")
+            if args.adaptive_ms:
+                servers[ADAPTIVE_BASELINE] = start_baseline(args.baseline, adaptive, Path(tmp), "baseline-adaptive")
         for _, address in servers.values():  # warm both: first calls, ONNX Runtime's first runs
             drive(address, load, args.concurrency, 2000)
         t0 = time.monotonic()
@@ -230,6 +247,8 @@ def main() -> None:
                         help="also serve Ferry as of this git commit (e.g. main) in the same rounds: before/after")
     parser.add_argument("--hop", action="store_true",
                         help="also run the floor behind a batching hop (bench/floor_server.py --batched)")
+    parser.add_argument("--adaptive-ms", type=int, default=0, metavar="TARGET",
+                        help="also serve Ferry behind the adaptive window with this latency target (and profile it too)")
     parser.add_argument("--profile", type=int, default=0, help="then profile Ferry's loop and print this many functions")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
@@ -238,7 +257,10 @@ def main() -> None:
         repo = build(Path(tmp), args.window_us, args.max_batch)
         report = measure_all(repo, load, args, Path(tmp)) if args.rounds else ""
         if args.profile:
-            print(profile(repo, load, args, Path(tmp)), flush=True)
+            print(f"{FERRY}: " + profile(repo, load, args, Path(tmp)), flush=True)
+            if args.adaptive_ms:
+                adaptive = build(Path(tmp), args.window_us, args.max_batch, args.adaptive_ms)
+                print(f"{ADAPTIVE}: " + profile(adaptive, load, args, Path(tmp)), flush=True)
     if report and not args.no_record:
         common.append_results("Server CPU per request (bench/hotpath.py)", report)
 

@@ -10,6 +10,7 @@ sizes of the batches actually formed.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 import time
 from collections import Counter
@@ -127,9 +128,7 @@ class ModelStats:
             self.queue.add(sum(waits), len(waits))
             self.deadline_misses += late
         if self._hist:
-            observe = self._hist["queue_us"].observe
-            for wait_ns in waits:
-                observe(wait_ns / 1000)
+            observe_all(self._hist["queue_us"], [wait_ns / 1000 for wait_ns in waits])
 
     def record_done(self, total_ns: int, ok: bool, reason: str = "") -> None:
         with self._lock:
@@ -141,6 +140,16 @@ class ModelStats:
             self.last_inference_ms = int(time.time() * 1000)
         if ok and self._hist:
             self._hist["request_us"].observe(total_ns / 1000)
+
+    def record_successes(self, totals_ns: list[int]) -> None:
+        """A batch's requests answered: record_done(ok=True) for all of them, with one lock and one clock read."""
+        if not totals_ns:
+            return
+        with self._lock:
+            self.success.add(sum(totals_ns), len(totals_ns))
+            self.last_inference_ms = int(time.time() * 1000)
+        if self._hist:
+            observe_all(self._hist["request_us"], [total_ns / 1000 for total_ns in totals_ns])
 
     def record_cache_hit(self, lookup_ns: int, total_ns: int) -> None:
         """A request answered from the response cache: a success that neither queued nor ran (Triton
@@ -163,6 +172,10 @@ class ModelStats:
     def record_reruns(self, runs: int) -> None:
         with self._lock:
             self.batch_reruns += runs
+
+    def set_pending(self, pending: int) -> None:
+        """Between turns (an arrival that needs none): only the queue depth moved."""
+        self.pending = pending
 
     def set_gauges(self, gauges) -> None:
         """`gauges`: the scheduler's Gauges record, the one way policy state reaches the metrics."""
@@ -193,6 +206,25 @@ class ModelStats:
                     for size, t in sorted(self.batches.items())
                 },
             }
+
+
+def observe_all(histogram, values: list[float]) -> None:
+    """Observe a batch's values at once: one increment per bucket touched and one of the sum, where
+    observe() takes two locks per value. It reads prometheus_client's histogram child (its bucket bounds
+    and values), so where that is not as expected it falls back to observe()."""
+    try:
+        bounds, buckets, total = histogram._upper_bounds, histogram._buckets, histogram._sum
+    except AttributeError:
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        i = bisect.bisect_left(bounds, value)  # the first bound >= value, as observe() picks it
+        counts[i] = counts.get(i, 0) + 1
+    total.inc(sum(values))
+    for i, count in counts.items():
+        buckets[i].inc(count)
 
 
 # (name, type, help, value from a snapshot); durations in microseconds as Triton reports them

@@ -210,6 +210,10 @@ class Registry:
             if not mv.ready:
                 raise ModelUnavailableError(f"model '{name}' version {version} is not at ready state: {mv.state} {mv.reason}".rstrip())
             return mv
+        if len(versions) == 1:  # the usual case: one version, nothing to choose
+            (mv,) = versions.values()
+            if mv.ready:
+                return mv
         ready = [v for v in versions.values() if v.ready]
         if not ready:
             reasons = "; ".join(f"version {v.version}: {v.reason or v.state}" for v in versions.values())

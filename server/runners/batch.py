@@ -1,14 +1,15 @@
 """The batching runner: feeds one model version's instances from its scheduler, on the event loop.
 
-The runner takes a turn (feed free instances from the scheduler, keep one timer set for the
-scheduler's next event) when something happens: a request arrives while an instance is free or with a
-deadline sooner than the timer, the timer fires (a batching window closing, a deadline passing), an
-instance is freed. So deadlines fire on time even while every instance is busy, and a busy model does
-not pay a turn per arrival. An arrival's or the timer's turn runs once the callbacks ready at that
-moment have run (requests arriving in one pass of the event loop are offered together, as when a
-wake-up of the loop's task ran it), but as one plain callback: on a light model at 64 clients, waking
-the loop's task per arrival (a task switch, a timer cancelled and made again) was a good part of what
-the runner cost per request. The loop's task runs the first turn and the drain.
+The runner takes a turn (feed free instances from the scheduler, keep one timer set for the scheduler's next
+event) when something happens: a request arrives while an instance is free and the scheduler says the
+arrival matters (it may complete a batch or move the next event; one that only joins a window already
+decided does not), or with a deadline sooner than the timer; the timer fires (a batching window closing, a
+deadline passing); an instance is freed. So deadlines fire on time even while every instance is busy, and
+neither a busy model nor a waiting window pays a turn per arrival. An arrival's or the timer's turn runs
+once the callbacks ready at that moment have run (requests arriving in one pass of the event loop are
+offered together, as when a wake-up of the loop's task ran it), but as one plain callback: on a light model
+at 64 clients, waking the loop's task per arrival (a task switch, a timer cancelled and made again) was a
+good part of what the runner cost per request. The loop's task runs the first turn and the drain.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Awaitable
 
 import numpy as np
 
@@ -72,12 +74,13 @@ class ModelRunner(RunnerBase):
         for request in list(self._admitted):
             _abandon(request, error)
 
-    async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """Queue a request and wait for its outputs; a cancelled caller leaves the queue."""
+    def infer(self, request: InferRequest) -> Awaitable[dict[str, np.ndarray]]:
+        """Queue a request and wait for its outputs (await it); a cancelled caller leaves the queue. Not a
+        coroutine itself: the caller awaits the one doing the work, one coroutine per request, not two."""
         self._admit_check()
         if self._cache is not None:  # a hit never queues (server/response_cache.py)
-            return await response_cache.answer(self._cache, self._cache_scope, request, self.stats, self._queue_and_wait)
-        return await self._queue_and_wait(request)
+            return response_cache.answer(self._cache, self._cache_scope, request, self.stats, self._queue_and_wait)
+        return self._queue_and_wait(request)
 
     async def _queue_and_wait(self, request: InferRequest) -> dict[str, np.ndarray]:
         """Charge the request's bytes to the budgets, queue it, wait for its outputs; the bytes are given
@@ -87,7 +90,7 @@ class ModelRunner(RunnerBase):
         if request.trace is not None:
             request.trace.mark(QUEUE_START)
         try:
-            self.scheduler.submit(request, time.monotonic_ns())
+            matters = self.scheduler.submit(request, time.monotonic_ns())
         except BaseException as exc:
             self._give_bytes(request.nbytes)
             if isinstance(exc, QueueFullError):
@@ -96,13 +99,15 @@ class ModelRunner(RunnerBase):
         if self._order is not None:
             self._order.admit(request)
         self._admitted.add(request)
-        if self._idle or _sooner(request.deadline_ns, self._timer_ns):
+        if (self._idle and matters is not False) or _sooner(request.deadline_ns, self._timer_ns):
             self._turn_soon()
-        else:  # every instance is busy and no earlier timer is needed: the next release cuts the batch
-            self.stats.set_gauges(self.scheduler.gauges())
+        else:  # nothing to cut now and the timer set is still right: the timer or the next release cuts the batch
+            self.stats.set_pending(len(self.scheduler))
         try:
             outputs = await request.future
         except asyncio.CancelledError:
+            if self._order is None and _answered(request.future):
+                raise  # answered (and counted with its batch) just before the caller left
             now = time.monotonic_ns()
             queued = self.scheduler.cancel(request)
             missed = queued and request.expired(now + _CALLER_CLOCK_LEAD_NS)
@@ -120,7 +125,8 @@ class ModelRunner(RunnerBase):
         finally:
             self._admitted.discard(request)
             self._give_bytes(request.nbytes)
-        self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
+        if self._order is not None:  # otherwise counted with its batch, when answered (_answer)
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return outputs
 
     async def _loop(self) -> None:
@@ -256,11 +262,14 @@ class ModelRunner(RunnerBase):
             if traced:
                 batch_ran(traced, self.name, part.size, len(part.requests), result.padding.padded, worker.name, result)
             if self._order is None:  # nothing to keep in order: set each answer now, no closure per request
+                now, totals = time.monotonic_ns(), []
                 for request, outputs in zip(part.requests, result.outputs):
                     if isinstance(outputs, FerryError):  # a backend that answers requests alone failed this one
                         self._fail(request, outputs)
                     elif not request.future.done():
                         request.future.set_result(outputs)
+                        totals.append(now - request.arrival_ns)
+                self.stats.record_successes(totals)  # one lock for the batch, not one per request
             else:
                 for request, outputs in zip(part.requests, result.outputs):
                     self._finish(request, _setter(request, error=outputs) if isinstance(outputs, FerryError)
@@ -316,6 +325,10 @@ def _instance_ns(outcome) -> int | None:
         return None
     result = outcome.answered[0][1]
     return result.input_ns + result.infer_ns + result.output_ns
+
+
+def _answered(future: asyncio.Future) -> bool:
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _sooner(deadline_ns: int | None, timer_ns: int | None) -> bool:

@@ -84,6 +84,12 @@ class FixedWindow:
     def on_arrival(self, now_ns: int, in_system: int) -> None:
         pass
 
+    def still_expecting(self, rows: int, in_system: int, now_ns: int) -> bool:
+        return True
+
+    def pause_ns(self, rows: int) -> int | None:
+        return None
+
     def on_batch(self, rows: int, exec_ns: int) -> None:
         pass
 
@@ -153,6 +159,31 @@ class AdaptiveWindow:
         recent.append(now_ns)
         while recent[0] < now_ns - _RATE_WINDOW_NS:
             recent.popleft()
+
+    def still_expecting(self, rows: int, in_system: int, now_ns: int) -> bool:
+        """Whether more rows are still expected for a group of `rows` that is waiting (close_ns's first
+        tests, without the rest): the batcher asks this per arrival and the whole question only when a
+        window opens or closes, so an arrival costs a comparison, not a decision (nor a new timer)."""
+        expected = self.concurrency - in_system
+        frontend_bound = self.frontend_busy is not None and self.frontend_busy >= _FRONTEND_BUSY
+        if frontend_bound and rows >= _FRONTEND_MIN_ROWS:
+            expected = max(expected, -(-rows // 4))
+        if min(expected, self.max_batch_size - rows) < 1:
+            return False
+        gap = self._gap_ns
+        return gap is None or now_ns - self._last_arrival_ns <= (_FRONTEND_PAUSE_GAPS if frontend_bound else _PAUSE_GAPS) * gap
+
+    def pause_ns(self, rows: int) -> int | None:
+        """When a group of `rows` should look again for a silence that ends its window (the loop-bound rule:
+        a silence of two mean gaps means everyone is here, and an idle loop must not wait out the window);
+        None where that rule does not apply. The batcher sets no timer per arrival for it: a look that finds
+        the rows still coming keeps the window and sets the next look from the latest arrival. Looks come
+        every quarter of the rows in gaps (at least two gaps): a look every two gaps cost a turn of the runner
+        per arrival, and a quarter of the rows is the silence the window waited for when it was decided per
+        arrival (its close then moved to the latest arrival plus the quarter still expected)."""
+        if rows < _FRONTEND_MIN_ROWS or self._gap_ns is None or self.frontend_busy is None or self.frontend_busy < _FRONTEND_BUSY:
+            return None
+        return int(self._last_arrival_ns + max(_FRONTEND_PAUSE_GAPS, rows / 4) * self._gap_ns) + 1
 
     def _sustained_rate(self) -> float:
         recent = self._recent

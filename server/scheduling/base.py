@@ -26,8 +26,10 @@ class Scheduler(ABC):
     """
 
     @abstractmethod
-    def submit(self, request: InferRequest, now_ns: int) -> None:
-        """Queue a request or raise QueueFullError; never blocks."""
+    def submit(self, request: InferRequest, now_ns: int) -> bool:
+        """Queue a request or raise QueueFullError; never blocks. True when the arrival may let a batch be
+        cut now or move the next event (the runner then takes a turn if an instance is free); False when
+        it changes neither, so a turn would only find what the last one found."""
 
     @abstractmethod
     def next_batch(self, now_ns: int) -> Batch | None:

@@ -107,9 +107,10 @@ class BinPackBatcher(DynamicBatcher):
         self.costs = CostBuckets(binpack.boundaries, binpack.num_buckets, binpack.learning_window)
         self._batch_ns: dict[int, float] = {}  # moving average of batch time per bucket
 
-    def submit(self, request: InferRequest, now_ns: int) -> None:
+    def submit(self, request: InferRequest, now_ns: int) -> bool:
         super().submit(request, now_ns)
         self.costs.observe(self._cost(request))
+        return True  # its groups fill by cost too, and their order moves: every arrival gets a turn
 
     def complete(self, batch: Batch, exec_ns: int | None, now_ns: int) -> None:
         super().complete(batch, exec_ns, now_ns)

@@ -33,6 +33,8 @@ class QueuePolicy:
         Unlike Triton, a request's `timeout` counts even when the policy sets no default; when the
         policy does set one, the request may only replace it if overriding is allowed.
         """
+        if not (timeout_us or self.default_timeout_us):  # the usual case: only the RPC's deadline, if any
+            return rpc_deadline_ns
         candidates = [rpc_deadline_ns] if rpc_deadline_ns is not None else []
         own = timeout_us if timeout_us else None
         if self.default_timeout_us and not (own and self.allow_timeout_override):
@@ -45,12 +47,16 @@ class QueuePolicy:
 class Group:
     """Queued requests that share a join key, one FIFO lane per priority level plus a late lane."""
 
-    __slots__ = ("key", "lanes", "rows")
+    __slots__ = ("key", "lanes", "rows", "decided_head", "decided_rows", "close_ns")
 
     def __init__(self, key: tuple, levels: int):
         self.key = key
         self.lanes = [deque() for _ in range(levels + 1)]  # last lane: DELAY requests past their deadline
         self.rows = 0  # batch rows of every request queued here, kept by the queue
+        # The batcher's window decision for the current head (dynamic.py), not made per arrival: when it
+        # was made, for how many rows, and when the window closes. Stale once the head is another request.
+        self.decided_head: InferRequest | None = None
+        self.decided_rows = self.close_ns = 0
 
     def head(self) -> InferRequest | None:
         for lane in self.lanes:
@@ -74,12 +80,13 @@ class RequestQueue:
         self.max_total = max_total  # server-wide backstop so memory stays bounded when policies say "unbounded"
         self._groups: dict[tuple, Group] = {}
         self._per_level = [0] * (len(policies) + 1)
+        self._size = 0  # sum(self._per_level), kept: asked several times per arrival
         self._deadlines: list[tuple[int, int, InferRequest]] = []
         self._departed = 0  # heap entries whose request already left the queue
         self._sequence = itertools.count()
 
     def __len__(self) -> int:
-        return sum(self._per_level)
+        return self._size
 
     def level(self, priority: int | None) -> int:
         """Map a request's `priority` parameter to a level: 0 or out of range -> the default (as Triton)."""
@@ -90,8 +97,13 @@ class RequestQueue:
     def policy(self, level: int) -> QueuePolicy:
         return self.policies[level - 1]
 
-    def push(self, request: InferRequest, now_ns: int, group_key: tuple | None = None) -> None:
-        """Admit a request into the group of `group_key` (default: its join key); raises QueueFullError."""
+    @property
+    def group_count(self) -> int:
+        return len(self._groups)
+
+    def push(self, request: InferRequest, now_ns: int, group_key: tuple | None = None) -> Group:
+        """Admit a request into the group of `group_key` (default: its join key), which is returned; raises
+        QueueFullError."""
         level = request.priority = self.level(request.priority)
         policy = self.policy(level)
         limit = policy.max_queue_size
@@ -116,6 +128,7 @@ class RequestQueue:
         self._place(request, group, level - 1)
         if request.deadline_ns is not None:
             heapq.heappush(self._deadlines, (request.deadline_ns, request.sequence, request))
+        return group
 
     def remove(self, request: InferRequest) -> bool:
         lane = request.slot
@@ -175,11 +188,15 @@ class RequestQueue:
         lane.append(request)
         request.slot, request.lane = lane, index
         self._per_level[index] += 1
+        self._size += 1
         group.rows += request.batch_size
 
     def _unplace(self, request: InferRequest, group: Group) -> None:
         request.slot = None
+        if group.decided_head is request:  # its window's decision goes with it (and holds no inputs alive)
+            group.decided_head = None
         self._per_level[request.lane] -= 1
+        self._size -= 1
         group.rows -= request.batch_size
         if request.deadline_ns is not None:
             self._departed += 1
