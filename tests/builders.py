@@ -105,18 +105,29 @@ import itertools, os, threading, time
 import numpy as np
 
 TURN = itertools.count()
-BARRIER = threading.Barrier(int(os.environ.get("FERRY_TEST_BARRIER", "2")), timeout=20)
+PARTIES = int(os.environ.get("FERRY_TEST_BARRIER", "2"))
+
+
+def meet(folder):
+    """Pass only while PARTIES executions run at once: each leaves a mark in `folder` and waits for the
+    others' (instances are processes of their own, so no in-process barrier can span them)."""
+    open(os.path.join(folder, f"{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"), "w").close()
+    deadline = time.monotonic() + 20
+    while len(os.listdir(folder)) < PARTIES:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(os.listdir(folder))} of {PARTIES} executions ran at the same time")
+        time.sleep(0.002)
 
 
 class Model:
     def initialize(self, args):
         params = args["config"].get("parameters", {})
         self.gate = params.get("gate", {}).get("string_value")
-        self.barrier = params.get("barrier", {}).get("string_value") == "1"
+        self.barrier = params.get("barrier", {}).get("string_value")
 
     def execute(self, inputs):
         if self.barrier:
-            BARRIER.wait()  # raises BrokenBarrierError unless two instances run at the same time
+            meet(self.barrier)  # raises unless two instances run at the same time
         x = inputs["X"]
         if self.gate and (x < 0).any():
             open(self.gate + ".running", "w").close()
@@ -138,7 +149,9 @@ def gated_model(repo: Path, name: str, extra_yaml: str = "", gate: Path | None =
     if gate is not None:
         params["gate"] = str(gate)
     if barrier:
-        params["barrier"] = "1"
+        meeting = repo.parent / f"{name}.barrier"  # a folder both instances' processes see
+        meeting.mkdir(exist_ok=True)
+        params["barrier"] = str(meeting)
     lines = ["backend: python", f"max_batch_size: {max_batch_size}",
              "input: [{name: X, data_type: TYPE_FP32, dims: [2]}]",
              "output: [{name: Y, data_type: TYPE_FP32, dims: [2]}, {name: TURN, data_type: TYPE_INT64, dims: [1]}]"]
