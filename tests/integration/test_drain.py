@@ -3,8 +3,8 @@ CANCELLED, none left hanging; behind gRPC's round_robin with retries, a replica 
 without one failed request.
 
 Work is held by a gated python model (executions wait for a file the test creates), so no outcome
-depends on how long anything takes: the queued requests cannot finish within the grace whatever the
-machine's speed, and the draining server cannot exit before the test opens the gate.
+depends on how long anything takes: the queued requests cannot finish within a short grace whatever the
+machine's speed, and with a long grace the draining server cannot exit before the test opens the gate.
 """
 
 from __future__ import annotations
@@ -28,26 +28,42 @@ def health_status(channel) -> int:
     return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
 
 
-def test_sigterm_answers_queued_and_new_requests_unavailable_never_cancelled(tmp_path):
+def _hold_queue(tmp_path, grace_s: str):
+    """A server whose gated model holds one execution with QUEUED - 1 requests queued behind it."""
     gate = tmp_path / "gate"
     builders.gated_model(tmp_path / "repo", "gated", gate=gate, max_batch_size=1)
-    server = RunningServer(tmp_path / "repo", "--drain-grace-seconds", "0.5")
-    try:
-        stub = kserve.stub(server.channel)
-        calls = [stub.ModelInfer.future(kserve.request("gated", HOLD), timeout=120) for _ in range(QUEUED)]
-        wait_for(lambda: (tmp_path / "gate.running").exists(), what="the first execution to start")
-        server.wait_for_metric("nv_inference_pending_request_count", QUEUED - 1, timeout_s=60, model="gated")
+    server = RunningServer(tmp_path / "repo", "--drain-grace-seconds", grace_s)
+    stub = kserve.stub(server.channel)
+    calls = [stub.ModelInfer.future(kserve.request("gated", HOLD), timeout=120) for _ in range(QUEUED)]
+    wait_for(lambda: (tmp_path / "gate.running").exists(), what="the first execution to start")
+    server.wait_for_metric("nv_inference_pending_request_count", QUEUED - 1, timeout_s=60, model="gated")
+    return server, stub, calls, gate
 
+
+def test_sigterm_answers_queued_and_held_requests_unavailable_never_cancelled_and_exits(tmp_path):
+    """The held execution never returns (its gate stays shut): the grace runs out, every call is answered
+    UNAVAILABLE, and the server still exits, since the model's process is ended after the grace."""
+    server, _, calls, gate = _hold_queue(tmp_path, "0.5")
+    try:
         server.proc.send_signal(__import__("signal").SIGTERM)
         codes = [_code(call) for call in calls]  # each waits at most its 120 s deadline: none may hang
         assert grpc.StatusCode.CANCELLED not in codes
         assert grpc.StatusCode.DEADLINE_EXCEEDED not in codes, "a request was left hanging by the drain"
-        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}, codes
         assert codes.count(grpc.StatusCode.UNAVAILABLE) == QUEUED  # the gate is shut: none could finish
+        assert server.proc.wait(60) == 0  # the hung model did not keep the server alive
+    finally:
+        gate.touch()
+    assert "ferry: stopped" in server.output
 
-        # The held execution keeps the process alive (its thread is joined before gRPC stops), so the
-        # draining server is certainly still up: probes answer, everything else is UNAVAILABLE at once.
-        assert health_status(server.channel) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+def test_while_draining_probes_answer_and_new_calls_are_refused_then_admitted_work_finishes(tmp_path):
+    """A grace long enough for anything: the held execution keeps the drain open until the test opens
+    the gate, so what a draining server answers is checked without racing its grace."""
+    server, stub, calls, gate = _hold_queue(tmp_path, "120")
+    try:
+        server.proc.send_signal(__import__("signal").SIGTERM)
+        wait_for(lambda: health_status(server.channel) == health_pb2.HealthCheckResponse.NOT_SERVING,
+                 what="the server to report NOT_SERVING")
         assert stub.ServerLive(pb.ServerLiveRequest(), timeout=10).live
         assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=10).ready
         for call in (lambda: stub.ModelInfer(kserve.request("gated", {"X": np.ones((1, 2), np.float32)}), timeout=10),
@@ -61,6 +77,8 @@ def test_sigterm_answers_queued_and_new_requests_unavailable_never_cancelled(tmp
         assert server.proc.poll() is None
     finally:
         gate.touch()
+    codes = [_code(call) for call in calls]
+    assert codes == [grpc.StatusCode.OK] * QUEUED  # admitted before SIGTERM: all answered within the grace
     assert server.stop() == 0
     assert "ferry: stopped" in server.output
 
