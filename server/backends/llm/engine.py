@@ -176,7 +176,7 @@ class LLMBackend(Backend):
             start += n
         device = self.torch_device
         window, full = self.args.sliding_window, not all(self.args.sliding_layers)
-        groups = [build_group(*zip(*group), bs, device, window, full) for group in (decode, verify, prefill) if group]
+        groups = [build_group(*zip(*group), bs, device, window, full, self.dtype) for group in (decode, verify, prefill) if group]
         meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), groups)
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),

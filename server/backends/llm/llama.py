@@ -78,8 +78,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = cache
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        k_cache.index_copy_(0, meta.slot_mapping, k)  # every slot of a step is distinct
+        v_cache.index_copy_(0, meta.slot_mapping, v)
         out = paged_attention(q, k_cache, v_cache, meta, self.sliding)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))
 
