@@ -11,6 +11,10 @@ see only keys p - window < k <= p, as transformers does. The window is a second 
 gathered keys; when every layer slides, only the keys some query of the step can still see are
 gathered, so a decode reads at most `window` keys however long the sequence has grown.
 
+A group is padded to its longest query run and longest context, so sequences of very different
+lengths are split into several groups (`split_by_length`): 34 short chats beside 14 long documents
+would otherwise gather and score 3-8x the keys they have.
+
 NOTE: everything indexed per layer goes through `index_select`/`index_copy_` on dim 0 of flat index
 tensors built once per step: advanced indexing (`cache[slots]` with a 2-D index, `out[mask] = ...`)
 runs an element-wise kernel 10-20x slower than index_select's row copies on a CPU, and it was a third
@@ -51,6 +55,26 @@ class AttentionGroup:
 class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     groups: list[AttentionGroup]
+
+
+PADDING = 2.0  # a group's padded query-key pairs may be this many times its real ones ...
+MIN_WASTE = 4096  # ... or waste this few pairs: below it one more SDPA call costs more than it saves
+
+
+def split_by_length(entries: list[tuple[int, int, int, list[int]]]) -> list[list[tuple[int, int, int, list[int]]]]:
+    """Entries (start, length, computed, block table) into groups whose padding stays bounded: longest
+    first, a new group when adding the next would pad the group past PADDING times its real work."""
+    groups: list[list] = []
+    q_max = c_max = real = 0
+    for entry in sorted(entries, key=lambda e: e[1] * (e[1] + e[2]), reverse=True):
+        q, c = entry[1], entry[1] + entry[2]
+        padded = (len(groups[-1]) + 1) * max(q_max, q) * max(c_max, c) if groups else 0
+        if not groups or (padded > PADDING * (real + q * c) and padded - real - q * c > MIN_WASTE):
+            groups.append([])
+            q_max = c_max = real = 0
+        groups[-1].append(entry)
+        q_max, c_max, real = max(q_max, q), max(c_max, c), real + q * c
+    return groups
 
 
 def build_group(starts: list[int], lengths: list[int], computed: list[int], tables: list[list[int]],

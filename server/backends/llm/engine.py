@@ -15,7 +15,7 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm.attention import StepMetadata, build_group
+from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
 from server.backends.llm.sampler import History, TokenLogprobs, choose
@@ -176,7 +176,8 @@ class LLMBackend(Backend):
             start += n
         device = self.torch_device
         window, full = self.args.sliding_window, not all(self.args.sliding_layers)
-        groups = [build_group(*zip(*group), bs, device, window, full, self.dtype) for group in (decode, verify, prefill) if group]
+        groups = [build_group(*zip(*group), bs, device, window, full, self.dtype)
+                  for kind in (decode, verify, prefill) for group in split_by_length(kind)]
         meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), groups)
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),
