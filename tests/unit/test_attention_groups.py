@@ -3,6 +3,7 @@ and whatever the grouping, every query gets what attending over its own sequence
 
 import torch
 
+from server.backends.llm import paged_kernel
 from server.backends.llm.attention import PADDING, StepMetadata, build_group, paged_attention, split_by_length
 
 
@@ -51,3 +52,16 @@ def test_grouped_paged_attention_equals_each_sequence_attending_alone():
         causal = pos.unsqueeze(0) <= (c + torch.arange(n)).unsqueeze(1)  # [Q, C]
         ref = torch.nn.functional.scaled_dot_product_attention(q[start:start + n].transpose(0, 1), k, v, attn_mask=causal)
         torch.testing.assert_close(out[start:start + n], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_the_paged_kernel_step_packs_each_sequence_as_the_step_does():
+    step = paged_kernel.build_step([1, 5, 1], [9, 0, 30], [[4, 7, -1], [2], [1, 3]], 4, "cpu")
+    assert step.cu_seq_q.tolist() == [0, 1, 6, 7] and step.cu_seq_k.tolist() == [0, 10, 15, 46]
+    assert step.seqused_k.tolist() == [10, 5, 31] and (step.max_q, step.max_k, step.block_size) == (5, 31, 4)
+    assert step.block_table.tolist() == [[4, 7, 0], [2, 0, 0], [1, 3, 0]]  # a given-back block (-1) is never read
+    assert step.block_table.dtype == torch.int32
+
+
+def test_the_paged_kernel_is_only_chosen_where_it_runs():
+    assert not paged_kernel.probe(torch.device("cpu"), torch.float32, 16, 4, 2, 8)
+    assert not paged_kernel.probe(torch.device("cpu"), torch.bfloat16, 16, 4, 2, 8)

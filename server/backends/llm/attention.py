@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.backends.llm.paged_kernel import VarlenStep
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -55,6 +57,7 @@ class AttentionGroup:
 class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     groups: list[AttentionGroup]
+    varlen: VarlenStep | None = None  # set: the paged flash kernel reads the cache instead (paged_kernel.py)
 
 
 PADDING = 2.0  # a group's padded query-key pairs may be this many times its real ones ...
