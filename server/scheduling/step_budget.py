@@ -23,10 +23,13 @@ of each step instead of nearly all of a long step, and the burst's last prompt s
 (T / (T - D)) / (S / (S - D)) times later than with no target (S: a step of max_num_batched_tokens).
 
 Without a target of its own a model gets one sized from its measured step cost (`auto`, the server's
-default): AUTO times the predicted cost of the step's decodes alone, so a step that also computes
-prompt chunks lasts at most AUTO times what the running streams' tokens would cost by themselves,
-on any model and machine, and prompts get the rest of it. (A fixed number of milliseconds is right
-for one model on one machine only: 50 ms is a stall for a small model and a crawl for a large one.)
+default): AUTO times the predicted cost of a step of `auto_tokens` decodes (the scheduler passes
+max_num_seqs, a full batch of streams), or of the step's own decodes when there are more. So no step
+lasts more than AUTO times what a full batch of decodes costs on this model and machine, and while
+few streams run, prompts get most of the step. (A fixed number of milliseconds is right for one
+model on one machine only: 50 ms is a stall for a small model and a crawl for a large one. A target
+of AUTO times the step's own decodes was measured too: with few streams it left prompts a sliver of
+each step, each repeating the fixed cost, and doubled a burst's time to first token.)
 
 NOTE: the cost model is a line, step_ms = fixed + per_token * tokens, fitted by least squares over
 exponentially decayed past steps (recent steps count most, so it follows load and context growth).
@@ -47,7 +50,8 @@ DECAY = 0.9  # weight of the past at each new step: about the last 10-20 steps s
 STALL = 2.0  # a step counts at most this many times its predicted cost: a real slowdown is still
 # followed within a few steps, a one-off stall moves the fit by a bounded amount
 ONSET = 4  # prompts waiting per decode from which a step is bounded by the token budget only
-AUTO = 2.0  # the automatic target: this many times the cost of the step's decodes alone
+AUTO = 1.5  # the automatic target: this many times the cost of a full batch of decodes (the issue-33
+# burst: ~55 ms on the benchmark model, where a fixed 50 ms gave the best inter-token p99 and TTFT)
 _FLAT = 1.0  # tokens^2: a decayed variance of step sizes below this cannot fix a slope
 
 
@@ -117,7 +121,8 @@ class StepBudget:
     min_prefill_tokens: int = 32
     cost: StepCost | None = None
     onset: int = ONSET  # 0: every step with a decode is held to the target
-    auto: float = 0.0  # without max_step_ms: target this many times the decodes' own cost (0: none)
+    auto: float = 0.0  # without max_step_ms: target this many times the cost of `auto_tokens` decodes (0: none)
+    auto_tokens: int = 0  # the decodes the automatic target is sized for (the step's own, if more)
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -141,4 +146,4 @@ class StepBudget:
         (0: none, or no fit yet)."""
         if self.max_step_ms > 0:
             return self.max_step_ms
-        return self.auto * self.cost.predict(decoding) if self.auto > 0 else 0.0
+        return self.auto * self.cost.predict(max(decoding, self.auto_tokens)) if self.auto > 0 else 0.0

@@ -1,5 +1,6 @@
 """The automatic step-time target (step_budget.py): with no max_step_ms, a step with decodes is held to
-AUTO times the fitted cost of its decodes alone; it is the server's default (runners/settings.py)."""
+AUTO times the fitted cost of a full batch of decodes (or of its own, if more); it is the server's
+default (runners/settings.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import pytest
 
 from protos import model_config_pb2 as mc
 from server.runners.settings import generation_settings
+from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
+from server.scheduling.kv_blocks import KVBlockPool
 from server.scheduling.step_budget import AUTO, StepBudget
 
 
@@ -23,6 +26,19 @@ def test_the_automatic_target_is_a_multiple_of_the_decodes_own_cost():
     assert budget.prefill_tokens(decoding=20, budget=512, starting=1) == 30
     # a larger batch of streams gets a longer step, prompts the same share of it
     assert budget.prefill_tokens(decoding=60, budget=512, starting=1) == 70  # 70 ms: 130 tokens, 60 of them decodes
+
+
+def test_the_automatic_target_is_sized_for_a_full_batch_so_few_streams_leave_prompts_most_of_the_step():
+    budget = fitted(StepBudget(auto=2.0, auto_tokens=64, min_prefill_tokens=4))
+    assert budget.target_ms(4) == pytest.approx(2.0 * (5.0 + 0.5 * 64))  # 74 ms whatever the decodes
+    assert budget.prefill_tokens(decoding=4, budget=512, starting=1) == 138 - 4  # 74 ms holds 138 tokens
+    assert budget.target_ms(100) == pytest.approx(2.0 * (5.0 + 0.5 * 100))  # more streams than that: their own
+
+
+def test_the_scheduler_sizes_the_automatic_target_for_its_max_num_seqs():
+    settings = ContinuousSettings(max_num_seqs=48, auto_step_target=AUTO)
+    budget = ContinuousScheduler(settings, KVBlockPool(64, 4)).step_budget
+    assert (budget.auto, budget.auto_tokens, budget.max_step_ms) == (AUTO, 48, 0.0)
 
 
 def test_a_fixed_target_wins_over_the_automatic_one_and_none_means_none():
