@@ -50,8 +50,8 @@ DECAY = 0.9  # weight of the past at each new step: about the last 10-20 steps s
 STALL = 2.0  # a step counts at most this many times its predicted cost: a real slowdown is still
 # followed within a few steps, a one-off stall moves the fit by a bounded amount
 ONSET = 4  # prompts waiting per decode from which a step is bounded by the token budget only
-AUTO = 1.5  # the automatic target: this many times the cost of a full batch of decodes (the issue-33
-# burst: ~55 ms on the benchmark model, where a fixed 50 ms gave the best inter-token p99 and TTFT)
+AUTO = 2.0  # the automatic target: this many times the cost of a full batch of decodes (chosen on a
+# modelled replay of the issue-33 burst and Poisson loads, docs/architecture.md "Generation step cost")
 _FLAT = 1.0  # tokens^2: a decayed variance of step sizes below this cannot fix a slope
 
 
