@@ -28,8 +28,9 @@ max_num_seqs, a full batch of streams), or of the step's own decodes when there 
 lasts more than AUTO times what a full batch of decodes costs on this model and machine, and while
 few streams run, prompts get most of the step. (A fixed number of milliseconds is right for one
 model on one machine only: 50 ms is a stall for a small model and a crawl for a large one. A target
-of AUTO times the step's own decodes was measured too: with few streams it left prompts a sliver of
-each step, each repeating the fixed cost, and doubled a burst's time to first token.)
+of AUTO times the step's own decodes was replayed too: it bounds a burst's inter-token latency more
+tightly, but with few streams it leaves prompts a sliver of each step, and it raised the time to first
+token p99 of Poisson arrivals by 40%.)
 
 NOTE: the cost model is a line, step_ms = fixed + per_token * tokens, fitted by least squares over
 exponentially decayed past steps (recent steps count most, so it follows load and context growth).
