@@ -15,6 +15,11 @@ Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script 
    cache, and the time of both runs;
 6. step isolation (runners/step_isolation.py): a step that raises on one sequence among 8 fails it
    alone in at most 2*ceil(log2 8) re-runs, the other 7 decode what they decode without it.
+6b. paged attention kernel (server/backends/llm/paged_kernel.py): on CUDA in bf16 the engine must pick
+   PyTorch's paged flash kernel (varlen_attn over the cache in place); 24 sequences of mixed lengths
+   decode greedily with it and with the gather + SDPA path, the tokens compared (bf16 kernels may part
+   on a near-tie: at least 20/24 identical) and the tokens/s of both. On the CPU the kernel is not
+   there: the dry run checks the engine falls back to gather + SDPA and decodes.
 7. front-end processes (bench/frontends.py's sweep, no CUDA needed but the device machine's cores): the
    light MLP served with --frontend-processes 1, 2, 4, 8 (up to half the cores), closed loop at concurrency
    128 from cores/4 load-generator processes, 2 interleaved rounds of 5 s: req/s and the ratio to N=1 for
@@ -26,7 +31,7 @@ Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script 
    (KIND_GPU), with a warmup sample of batch 1 run twice per instance and without; each model's first
    request after a load against the median of its next 20, and cold's first over warm's first (what
    warmup saves the first client on CUDA). FAIL if the two answer differently.
-Checks 5, 6 and 8 run on the CPU where there is no CUDA, labelled "cpu dry run", so this machine
+Checks 5, 6, 6b and 8 run on the CPU where there is no CUDA, labelled "cpu dry run", so this machine
 exercises their code; 2-4 need CUDA and say SKIP. With --record the lines go to bench/RESULTS.md.
 """
 
@@ -216,6 +221,27 @@ def check_step_isolation(backend, label: str, max_tokens: int) -> Outcome:
                    f"{broken.steps} steps in {broken.seconds * 1000:.0f} ms vs {clean.steps} in {clean.seconds * 1000:.0f} ms clean")
 
 
+def check_paged_kernel(backend, label: str, max_tokens: int, cuda: bool) -> Outcome:
+    """The same greedy decode with the paged flash kernel and with gather + SDPA (the engine's two paths)."""
+    from server.scheduling.kv_blocks import KVBlockPool
+
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 500, int(rng.integers(4, 200))).tolist() for _ in range(24)]
+    picked = backend.paged_kernel
+    runs = {}
+    for kernel in dict.fromkeys((picked, False)):
+        backend.paged_kernel = kernel
+        runs[kernel] = decode(backend, KVBlockPool(backend.num_kv_blocks, 16), prompts, max_tokens)
+    backend.paged_kernel = picked
+    rate = {k: sum(len(t) for t in r.tokens.values()) / r.seconds for k, r in runs.items()}
+    same = sum(runs[picked].tokens[i] == runs[False].tokens[i] for i in range(len(prompts)))
+    ok = (picked and same >= 20) if cuda else (not picked and all(len(t) == max_tokens for t in runs[False].tokens.values()))
+    figures = ", ".join(f"{'paged flash' if k else 'gather + SDPA'} {r:.0f} tokens/s" for k, r in rate.items())
+    return Outcome(f"paged attention kernel ({label})", verdict(ok),
+                   f"engine picked {backend.describe()['attention']}; {same}/24 sequences decode the same tokens both "
+                   f"ways; {figures}")
+
+
 def engine_checks(cuda: bool, tmp: Path) -> list[Outcome]:
     """Checks 4-6. Without CUDA, 5 and 6 run on the CPU with a tiny Llama so their code is exercised."""
     from server.backends.base import Device
@@ -233,6 +259,9 @@ def engine_checks(cuda: bool, tmp: Path) -> list[Outcome]:
         device, label, max_tokens = Device("cpu"), "cpu dry run, no CUDA device", 8
     backend = llm(folder, device, "float32", blocks=1024)
     results += [check_prefix_caching(backend, label, max_tokens), check_step_isolation(backend, label, max_tokens)]
+    backend.unload()
+    backend = llm(folder, device, "bfloat16" if cuda else "float32", blocks=1024)
+    results.append(check_paged_kernel(backend, label.replace("float32", "bfloat16"), max_tokens, cuda))
     backend.unload()
     return results
 

@@ -19,6 +19,7 @@ from server.scheduling.dynamic import BatchingSettings
 from server.scheduling.queue import DELAY, REJECT, QueuePolicy, RequestQueue
 from server.scheduling.sequence import DEFAULT_MAX_TOKENS
 from server.scheduling.speculative import SpeculativeSettings
+from server.scheduling.step_budget import AUTO
 
 # Admission keeps one KV block in this many free while sequences run (at least one), so a sequence
 # resumed after a preemption is not evicted again at once.
@@ -99,6 +100,7 @@ def generation_settings(g: mc.ModelGeneration, max_model_len: int, num_kv_blocks
         admit_margin_blocks=max(1, num_kv_blocks // ADMIT_MARGIN_PER_BLOCKS),
         eos_token_ids=frozenset(eos_token_ids),
         max_step_ms=g.max_step_ms,
+        auto_step_target=0.0 if g.max_step_ms else AUTO,  # no target of its own: one sized from measured cost
         # the default yields to a smaller step; only a value the config sets can be refused
         min_prefill_tokens=g.min_prefill_tokens or min(defaults.min_prefill_tokens, batched),
     )

@@ -45,7 +45,8 @@ class ContinuousSettings:
     max_waiting: int = 1024
     admit_margin_blocks: int = 1
     eos_token_ids: frozenset[int] = frozenset()
-    max_step_ms: float = 0.0  # step-time target (0: none); see step_budget.py
+    max_step_ms: float = 0.0  # step-time target (0: none, or the automatic one); see step_budget.py
+    auto_step_target: float = 0.0  # with max_step_ms 0: that many times a full batch of decodes' cost (0: none)
     min_prefill_tokens: int = 32  # prompt tokens a step offers whatever the target
 
 
@@ -75,7 +76,8 @@ class ContinuousScheduler:
         self._order = itertools.count()
         self._admissions = itertools.count()
         self.preemptions = 0
-        self.step_budget = StepBudget(settings.max_step_ms, settings.min_prefill_tokens)
+        self.step_budget = StepBudget(settings.max_step_ms, settings.min_prefill_tokens, auto=settings.auto_step_target,
+                                      auto_tokens=settings.max_num_seqs)
 
     @property
     def num_waiting(self) -> int:

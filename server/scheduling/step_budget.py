@@ -22,6 +22,16 @@ repeats the decodes and the fixed cost, so with decodes-only cost D and target T
 of each step instead of nearly all of a long step, and the burst's last prompt starts about
 (T / (T - D)) / (S / (S - D)) times later than with no target (S: a step of max_num_batched_tokens).
 
+Without a target of its own a model gets one sized from its measured step cost (`auto`, the server's
+default): AUTO times the predicted cost of a step of `auto_tokens` decodes (the scheduler passes
+max_num_seqs, a full batch of streams), or of the step's own decodes when there are more. So no step
+lasts more than AUTO times what a full batch of decodes costs on this model and machine, and while
+few streams run, prompts get most of the step. (A fixed number of milliseconds is right for one
+model on one machine only: 50 ms is a stall for a small model and a crawl for a large one. A target
+of AUTO times the step's own decodes was replayed too: it bounds a burst's inter-token latency more
+tightly, but with few streams it leaves prompts a sliver of each step, and it raised the time to first
+token p99 of Poisson arrivals by 40%.)
+
 NOTE: the cost model is a line, step_ms = fixed + per_token * tokens, fitted by least squares over
 exponentially decayed past steps (recent steps count most, so it follows load and context growth).
 While every recent step had about the same size the slope cannot be told from the intercept; then
@@ -41,6 +51,8 @@ DECAY = 0.9  # weight of the past at each new step: about the last 10-20 steps s
 STALL = 2.0  # a step counts at most this many times its predicted cost: a real slowdown is still
 # followed within a few steps, a one-off stall moves the fit by a bounded amount
 ONSET = 4  # prompts waiting per decode from which a step is bounded by the token budget only
+AUTO = 2.0  # the automatic target: this many times the cost of a full batch of decodes (chosen on a
+# modelled replay of the issue-33 burst and Poisson loads, docs/architecture.md "Generation step cost")
 _FLAT = 1.0  # tokens^2: a decayed variance of step sizes below this cannot fix a slope
 
 
@@ -89,6 +101,11 @@ class StepCost:
                 return (fixed, slope) if fixed >= 0 else (0.0, my / mx)
         return 0.0, my / mx
 
+    def predict(self, tokens: int) -> float:
+        """The fitted cost of a step of `tokens` tokens (0 before any step was seen)."""
+        fixed, per_token = self.line()
+        return fixed + per_token * tokens
+
     def tokens_within(self, ms: float) -> int | None:
         """The most tokens a step may hold and be predicted to end within `ms`; None: no fit yet."""
         fixed, per_token = self.line()
@@ -101,10 +118,12 @@ class StepCost:
 class StepBudget:
     """The step-time target of one model and the cost model it is judged by."""
 
-    max_step_ms: float = 0.0  # 0: no target
+    max_step_ms: float = 0.0  # 0: no fixed target
     min_prefill_tokens: int = 32
     cost: StepCost | None = None
     onset: int = ONSET  # 0: every step with a decode is held to the target
+    auto: float = 0.0  # without max_step_ms: target this many times the cost of `auto_tokens` decodes (0: none)
+    auto_tokens: int = 0  # the decodes the automatic target is sized for (the step's own, if more)
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -115,9 +134,17 @@ class StepBudget:
         `budget` (max_num_batched_tokens), when `starting` sequences could take a prompt chunk in it;
         all of it when there is no target, no fit yet, or at most one decode per `onset` of those."""
         room = budget - decoding
-        if self.max_step_ms <= 0 or decoding == 0 or (self.onset and decoding * self.onset <= starting):
+        target = self.target_ms(decoding)
+        if target <= 0 or decoding == 0 or (self.onset and decoding * self.onset <= starting):
             return budget
-        allowed = self.cost.tokens_within(self.max_step_ms)
+        allowed = self.cost.tokens_within(target)
         if allowed is None:
             return budget
         return max(0, min(room, max(self.min_prefill_tokens, allowed - decoding)))
+
+    def target_ms(self, decoding: int) -> float:
+        """The step-time target of a step with `decoding` decodes: the fixed one, else the automatic one
+        (0: none, or no fit yet)."""
+        if self.max_step_ms > 0:
+            return self.max_step_ms
+        return self.auto * self.cost.predict(max(decoding, self.auto_tokens)) if self.auto > 0 else 0.0

@@ -10,6 +10,16 @@ Sliding-window layers (Mistral, Qwen2/Qwen3 with `use_sliding_window`) let the q
 see only keys p - window < k <= p, as transformers does. The window is a second mask over the same
 gathered keys; when every layer slides, only the keys some query of the step can still see are
 gathered, so a decode reads at most `window` keys however long the sequence has grown.
+
+A group is padded to its longest query run and longest context, so sequences of very different
+lengths are split into several groups (`split_by_length`): 34 short chats beside 14 long documents
+would otherwise gather and score 3-8x the keys they have.
+
+NOTE: everything indexed per layer goes through `index_select`/`index_copy_` on dim 0 of flat index
+tensors built once per step: advanced indexing (`cache[slots]` with a 2-D index, `out[mask] = ...`)
+runs an element-wise kernel 10-20x slower than index_select's row copies on a CPU, and it was a third
+of a decode step (docs/architecture.md, "Generation step cost"). The masks go to SDPA as additive
+float biases made once per step: SDPA turns a bool mask into the same bias on every call.
 """
 
 from __future__ import annotations
@@ -19,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from server.backends.llm.paged_kernel import VarlenStep
+
 
 @dataclass(slots=True)
 class AttentionGroup:
@@ -27,19 +39,50 @@ class AttentionGroup:
     context_slots: torch.Tensor  # [S, C] cache slots of the keys gathered for each sequence (padding: slot 0)
     mask: torch.Tensor | None  # [S, 1, Q, C] bool: key gathered and not after the query; None if every layer slides
     window_mask: torch.Tensor | None  # the same, also within the sliding window; None if no layer slides
+    flat_index: torch.Tensor  # [S * Q] token_index flattened, for index_select
+    flat_slots: torch.Tensor  # [S * C] context_slots flattened
+    rows: torch.Tensor  # [valid queries] the step rows the group's outputs go to
+    pick: torch.Tensor | None  # [valid queries] their places in the flattened [S * Q] output; None: all valid
+    bias: torch.Tensor | None  # `mask` as SDPA's additive float mask (0 or -inf), in the model's dtype
+    window_bias: torch.Tensor | None
 
     def mask_for(self, sliding: bool) -> torch.Tensor:
         return self.window_mask if sliding else self.mask
+
+    def bias_for(self, sliding: bool) -> torch.Tensor:
+        return self.window_bias if sliding else self.bias
 
 
 @dataclass(slots=True)
 class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     groups: list[AttentionGroup]
+    varlen: VarlenStep | None = None  # set: the paged flash kernel reads the cache instead (paged_kernel.py)
+
+
+PADDING = 2.0  # a group's padded query-key pairs may be this many times its real ones ...
+MIN_WASTE = 4096  # ... or waste this few pairs: below it one more SDPA call costs more than it saves
+
+
+def split_by_length(entries: list[tuple[int, int, int, list[int]]]) -> list[list[tuple[int, int, int, list[int]]]]:
+    """Entries (start, length, computed, block table) into groups whose padding stays bounded: longest
+    first, a new group when adding the next would pad the group past PADDING times its real work."""
+    groups: list[list] = []
+    q_max = c_max = real = 0
+    for entry in sorted(entries, key=lambda e: e[1] * (e[1] + e[2]), reverse=True):
+        q, c = entry[1], entry[1] + entry[2]
+        padded = (len(groups[-1]) + 1) * max(q_max, q) * max(c_max, c) if groups else 0
+        if not groups or (padded > PADDING * (real + q * c) and padded - real - q * c > MIN_WASTE):
+            groups.append([])
+            q_max = c_max = real = 0
+        groups[-1].append(entry)
+        q_max, c_max, real = max(q_max, q), max(c_max, c), real + q * c
+    return groups
 
 
 def build_group(starts: list[int], lengths: list[int], computed: list[int], tables: list[list[int]],
-                block_size: int, device, window: int | None = None, full: bool = True) -> AttentionGroup:
+                block_size: int, device, window: int | None = None, full: bool = True,
+                dtype: torch.dtype = torch.float32) -> AttentionGroup:
     """Gather indices and masks for sequences whose queries are tokens [start, start + length) of the step,
     at positions computed .. computed + length - 1 of their own sequence. `window`: the sliding window of
     the layers that slide (None: none does); `full`: some layer attends to the whole context."""
@@ -74,19 +117,32 @@ def build_group(starts: list[int], lengths: list[int], computed: list[int], tabl
         m[:, :, 0] |= ~query_valid  # padded queries attend to one key rather than to none (NaN)
         return m.unsqueeze(1).to(device)
 
-    return AttentionGroup(token_index.to(device), query_valid.to(device), slots.to(device), finish(mask),
-                          finish(window_mask))
+    def bias(m: torch.Tensor | None) -> torch.Tensor | None:
+        return None if m is None else torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf"))
+
+    mask, window_mask = finish(mask), finish(window_mask)
+    valid = query_valid.flatten()
+    pick = None if bool(valid.all()) else valid.nonzero().flatten().to(device)
+    token_index = token_index.to(device)
+    flat = token_index.flatten()
+    return AttentionGroup(token_index, query_valid.to(device), slots.to(device), mask, window_mask, flat,
+                          slots.flatten().to(device), flat if pick is None else flat.index_select(0, pick), pick,
+                          bias(mask), bias(window_mask))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                     sliding: bool = False) -> torch.Tensor:
     # q: [T, H, D]; caches: [slots, KVH, D]
     out = torch.empty_like(q)
+    _, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
     for group in meta.groups:
-        qg = q[group.token_index].transpose(1, 2)  # [S, H, Q, D]
-        kg = k_cache[group.context_slots].transpose(1, 2)  # [S, KVH, C, D]
-        vg = v_cache[group.context_slots].transpose(1, 2)
-        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.mask_for(sliding), enable_gqa=True)
-        og = og.transpose(1, 2)  # [S, Q, H, D]
-        out[group.token_index[group.query_valid]] = og[group.query_valid]
+        num, q_len = group.token_index.shape
+        c_len = group.context_slots.shape[1]
+        qg = q.index_select(0, group.flat_index).view(num, q_len, heads, dim).transpose(1, 2)  # [S, H, Q, D]
+        kg = k_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)  # [S, KVH, C, D]
+        vg = v_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.bias_for(sliding), enable_gqa=True)
+        og = og.transpose(1, 2).reshape(num * q_len, heads, dim)  # [S * Q, H, D]
+        out.index_copy_(0, group.rows, og if group.pick is None else og.index_select(0, group.pick))
     return out

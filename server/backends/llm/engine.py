@@ -15,7 +15,8 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm.attention import StepMetadata, build_group
+from server.backends.llm import paged_kernel
+from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
 from server.backends.llm.sampler import History, TokenLogprobs, choose
@@ -97,6 +98,9 @@ class LLMBackend(Backend):
         self.max_model_len = min(self.settings.max_model_len or self.args.max_position, self.args.max_position)
         self.num_kv_blocks = self._num_blocks()
         self.caches = self._allocate_caches()
+        a = self.args
+        self.paged_kernel = paged_kernel.probe(self.torch_device, self.dtype, self.settings.block_size, a.num_heads,
+                                               a.num_kv_heads, a.head_dim)
         self.generator = torch.Generator(device=self.torch_device)
         self.generator.manual_seed(0)
         log.info("model '%s': %s on %s (%s), %d KV blocks of %d tokens%s", self.config.name, self.args.model_type,
@@ -175,9 +179,14 @@ class LLMBackend(Backend):
                     histories.append(History(seq.token_ids + drafts[:j] if j else seq.token_ids, seq.prompt_len))
             start += n
         device = self.torch_device
-        window, full = self.args.sliding_window, not all(self.args.sliding_layers)
-        groups = [build_group(*zip(*group), bs, device, window, full) for group in (decode, verify, prefill) if group]
-        meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), groups)
+        meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), [])
+        if self.paged_kernel:  # every entry in step order: the kernel reads the queries packed as they are
+            _, lengths, computed, tables = zip(*sorted(decode + verify + prefill, key=lambda e: e[0]))
+            meta.varlen = paged_kernel.build_step(lengths, computed, tables, bs, device)
+        else:
+            window, full = self.args.sliding_window, not all(self.args.sliding_layers)
+            meta.groups = [build_group(*zip(*group), bs, device, window, full, self.dtype)
+                           for kind in (decode, verify, prefill) for group in split_by_length(kind)]
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),
                                 self.caches, meta, torch.tensor(rows, dtype=torch.long, device=device))
@@ -214,4 +223,5 @@ class LLMBackend(Backend):
 
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
-                "num_kv_blocks": str(self.num_kv_blocks), "max_model_len": str(self.max_model_len)}
+                "num_kv_blocks": str(self.num_kv_blocks), "max_model_len": str(self.max_model_len),
+                "attention": "paged flash (varlen_attn)" if self.paged_kernel else "gather + SDPA"}

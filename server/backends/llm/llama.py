@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from server.backends.llm import paged_kernel
 from server.backends.llm.attention import StepMetadata, paged_attention
 from server.backends.llm.hf_config import LlamaArgs
 from server.errors import ConfigError
@@ -61,6 +62,7 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.sliding = sliding
+        self.window = args.sliding_window if sliding else None
         bias = args.attention_bias
         self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
         self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
@@ -78,9 +80,12 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
         k_cache, v_cache = cache
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
-        out = paged_attention(q, k_cache, v_cache, meta, self.sliding)  # [T, H, D]
+        k_cache.index_copy_(0, meta.slot_mapping, k)  # every slot of a step is distinct
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        if meta.varlen is not None:
+            out = paged_kernel.attend(q, k_cache, v_cache, meta.varlen, self.window)
+        else:
+            out = paged_attention(q, k_cache, v_cache, meta, self.sliding)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))
 
 

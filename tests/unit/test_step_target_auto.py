@@ -1,0 +1,58 @@
+"""The automatic step-time target (step_budget.py): with no max_step_ms, a step with decodes is held to
+AUTO times the fitted cost of a full batch of decodes (or of its own, if more); it is the server's
+default (runners/settings.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from protos import model_config_pb2 as mc
+from server.runners.settings import generation_settings
+from server.scheduling.continuous import ContinuousScheduler, ContinuousSettings
+from server.scheduling.kv_blocks import KVBlockPool
+from server.scheduling.step_budget import AUTO, StepBudget
+
+
+def fitted(budget: StepBudget, fixed: float = 5.0, per_token: float = 0.5) -> StepBudget:
+    for tokens in (10, 200, 40, 90, 3, 400):
+        budget.cost.observe(tokens, fixed + per_token * tokens)
+    return budget
+
+
+def test_the_automatic_target_is_a_multiple_of_the_decodes_own_cost():
+    budget = fitted(StepBudget(auto=2.0, min_prefill_tokens=4))
+    assert budget.target_ms(20) == pytest.approx(2.0 * (5.0 + 0.5 * 20))
+    # 30 ms holds (30 - 5) / 0.5 = 50 tokens: 20 decodes and 30 prompt tokens
+    assert budget.prefill_tokens(decoding=20, budget=512, starting=1) == 30
+    # a larger batch of streams gets a longer step, prompts the same share of it
+    assert budget.prefill_tokens(decoding=60, budget=512, starting=1) == 70  # 70 ms: 130 tokens, 60 of them decodes
+
+
+def test_the_automatic_target_is_sized_for_a_full_batch_so_few_streams_leave_prompts_most_of_the_step():
+    budget = fitted(StepBudget(auto=2.0, auto_tokens=64, min_prefill_tokens=4))
+    assert budget.target_ms(4) == pytest.approx(2.0 * (5.0 + 0.5 * 64))  # 74 ms whatever the decodes
+    assert budget.prefill_tokens(decoding=4, budget=512, starting=1) == 138 - 4  # 74 ms holds 138 tokens
+    assert budget.target_ms(100) == pytest.approx(2.0 * (5.0 + 0.5 * 100))  # more streams than that: their own
+
+
+def test_the_scheduler_sizes_the_automatic_target_for_its_max_num_seqs():
+    settings = ContinuousSettings(max_num_seqs=48, auto_step_target=AUTO)
+    budget = ContinuousScheduler(settings, KVBlockPool(64, 4)).step_budget
+    assert (budget.auto, budget.auto_tokens, budget.max_step_ms) == (AUTO, 48, 0.0)
+
+
+def test_a_fixed_target_wins_over_the_automatic_one_and_none_means_none():
+    assert fitted(StepBudget(max_step_ms=65.0, auto=2.0)).target_ms(20) == 65.0
+    unset = fitted(StepBudget())
+    assert unset.target_ms(20) == 0.0 and unset.prefill_tokens(20, 512, 1) == 512
+
+
+def test_before_any_step_is_measured_nothing_is_held():
+    assert StepBudget(auto=2.0).prefill_tokens(decoding=20, budget=512, starting=1) == 512
+
+
+def test_the_server_default_is_the_automatic_target_and_a_configured_one_replaces_it():
+    default = generation_settings(mc.ModelGeneration(), 128, 50).continuous
+    assert (default.max_step_ms, default.auto_step_target) == (0.0, AUTO)
+    fixed = generation_settings(mc.ModelGeneration(max_step_ms=45.5), 128, 50).continuous
+    assert (fixed.max_step_ms, fixed.auto_step_target) == (45.5, 0.0)
