@@ -76,10 +76,7 @@ class Worker:
             result, error = self._execute(batch, inputs, pad_count, input_ns, t0), None
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
             result, error = None, exc
-        try:
-            loop.call_soon_threadsafe(_settle, done, result, error)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
+        _hand_to_loop(loop, done, result, error)
 
     def _execute(self, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount, input_ns: int,
                  t0: int = 0) -> BatchResult:
@@ -111,10 +108,7 @@ class Worker:
                 result, error = self._answers(batch, answers, t1, time.monotonic_ns()), None
             except Exception as exc:  # noqa: BLE001 - reported through the batch's future
                 result, error = None, exc
-            try:
-                loop.call_soon_threadsafe(_settle, done, result, error)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                pass
+            _hand_to_loop(loop, done, result, error)
 
         self.backend.send_requests(batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs
                                                     for r in batch.requests], answered)
@@ -137,10 +131,7 @@ class Worker:
                 result, error = None, exc
             except Exception as exc:  # noqa: BLE001 - a model failure fails its own batch, never the server
                 result, error = None, BackendError(f"model '{self.signature.model}' failed: {exc}")
-            try:
-                loop.call_soon_threadsafe(_settle, done, result, error)
-            except RuntimeError:  # the loop is closed: nobody is waiting any more
-                pass
+            _hand_to_loop(loop, done, result, error)
 
         self.backend.send_joined(reshape.inputs(inputs) if reshape else inputs, answered)
 
@@ -192,6 +183,14 @@ class Worker:
             interrupt()
         self._thread.shutdown(wait=True)
         self.backend.unload()
+
+
+def _hand_to_loop(loop, done: asyncio.Future, result, error: Exception | None) -> None:
+    """From any thread: settle `done` on its loop with one call_soon_threadsafe."""
+    try:
+        loop.call_soon_threadsafe(_settle, done, result, error)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass
 
 
 def _settle(done: asyncio.Future, result: BatchResult | None, error: Exception | None) -> None:
