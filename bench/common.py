@@ -14,7 +14,7 @@ import numpy as np
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from server import datatypes
+from server.tensors import datatypes
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"

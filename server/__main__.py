@@ -11,8 +11,8 @@ from clients.cli import add_client_commands
 from server.batch.cli import add_batch_command
 from server import __version__, event_loop
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
-from server.tokens import Tokens, read_tokens
-from server.rpc.server import MAX_MESSAGE_BYTES, RpcOptions
+from server.doors.tokens import Tokens, read_tokens
+from server.doors.grpc.server import MAX_MESSAGE_BYTES, RpcOptions
 
 
 def _serve_parser(sub) -> None:
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command != "serve":
         raise SystemExit(args.run(args))
     from server.app import ServerConfig, run  # here, so client commands never import torch
-    from server.log_settings import LOG_FORMAT
-    from server.web.server import WebOptions
+    from server.observability.log_settings import LOG_FORMAT
+    from server.doors.http.server import WebOptions
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     _check_serve_flags(parser, args)
@@ -186,7 +186,7 @@ def _cache_bytes(parser: argparse.ArgumentParser, values: list[str]) -> int:
 
 
 def _trace_settings(parser: argparse.ArgumentParser, values: list[str]):
-    from server.tracing.settings import from_flags
+    from server.observability.tracing.settings import from_flags
 
     try:
         settings = from_flags(values)
@@ -194,7 +194,7 @@ def _trace_settings(parser: argparse.ArgumentParser, values: list[str]):
         parser.error(str(exc))
     if settings.mode == "opentelemetry":
         try:
-            import server.tracing.otel  # noqa: F401 - the SDK and the OTLP exporter, checked before anything starts
+            import server.observability.tracing.otel  # noqa: F401 - the SDK and the OTLP exporter, checked before anything starts
         except ImportError as exc:
             parser.error(f"--trace-config mode=opentelemetry needs the OpenTelemetry SDK and OTLP/HTTP exporter "
                          f"(pip install opentelemetry-sdk opentelemetry-exporter-otlp-proto-http): {exc}")
@@ -202,7 +202,7 @@ def _trace_settings(parser: argparse.ArgumentParser, values: list[str]):
 
 
 def _restrictions(parser: argparse.ArgumentParser, flag: str, values: list[str]) -> tuple:
-    from server.access import parse_restriction, restriction_table
+    from server.doors.access import parse_restriction, restriction_table
 
     try:
         groups = tuple(parse_restriction(value) for value in values)

@@ -15,23 +15,23 @@ from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_RE
 from server.engine import build_engine
 from server.event_loop import AUTO as AUTO_LOOP
 from server.event_loop import name as loop_name
-from server.exposition import MetricsServer
-from server.frontend.group import DEFAULT_ARENA_BYTES, FrontendGroup
-from server.log_settings import LogControl
-from server.metrics import FrontDoorRequests, TraceCollector
+from server.observability.exposition import MetricsServer
+from server.doors.processes.group import DEFAULT_ARENA_BYTES, FrontendGroup
+from server.observability.log_settings import LogControl
+from server.observability.metrics import FrontDoorRequests, TraceCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
-from server.access import GRPC_HEADER_PREFIX, AccessPolicy, Restriction, restriction_table
-from server.rpc.auth import AccessCheck
-from server.rpc.drain import DrainGate
-from server.rpc.generate_servicer import GenerationServicer, generation_service
-from server.rpc.server import RpcOptions, RpcServer, inference_service
-from server.rpc.servicer import InferenceServicer
-from server.shared_memory import SharedMemoryRegistry
-from server.tracing.control import TraceControl
-from server.tokens import Tokens
-from server.tracing.settings import OPENTELEMETRY, TraceSettings
-from server.web.server import WebOptions, WebServer
+from server.doors.access import GRPC_HEADER_PREFIX, AccessPolicy, Restriction, restriction_table
+from server.doors.grpc.auth import AccessCheck
+from server.doors.grpc.drain import DrainGate
+from server.doors.grpc.generate_servicer import GenerationServicer, generation_service
+from server.doors.grpc.server import RpcOptions, RpcServer, inference_service
+from server.doors.grpc.servicer import InferenceServicer
+from server.tensors.shared_memory import SharedMemoryRegistry
+from server.observability.tracing.control import TraceControl
+from server.doors.tokens import Tokens
+from server.observability.tracing.settings import OPENTELEMETRY, TraceSettings
+from server.doors.http.server import WebOptions, WebServer
 
 log = logging.getLogger("ferry")
 QUIET_S = 1.0  # draining: no call for this long means the callers have moved to other replicas
@@ -59,7 +59,7 @@ class ServerConfig:
     grpc_restricted: tuple[Restriction, ...] = ()  # Triton's --grpc-restricted-protocol groups
     http_restricted: tuple[Restriction, ...] = ()  # Triton's --http-restricted-api groups
     load_models: frozenset[str] | None = None  # explicit mode: the models loaded at start ('*': all)
-    frontend_processes: int = 1  # >= 2: that many processes serve gRPC on the port (server/frontend/)
+    frontend_processes: int = 1  # >= 2: that many processes serve gRPC on the port (server/doors/processes/)
     frontend_arena_bytes: int = DEFAULT_ARENA_BYTES  # shared memory per front-end process for tensors
     event_loop: str = AUTO_LOOP  # the loop front-end processes run on (server/event_loop.py); the caller picks this one's
     response_cache_bytes: int = 0  # > 0: a response cache of this size for models that enable it (--cache-config)
@@ -146,7 +146,7 @@ def trace_control(config: ServerConfig, prom: CollectorRegistry) -> TraceControl
     """Tracing as --trace-config sets it: Triton's trace file, or OpenTelemetry spans over OTLP/HTTP."""
     settings, otel = config.trace, None
     if settings.mode == OPENTELEMETRY:
-        from server.tracing.otel import OtelExporter  # the SDK is imported only when it is used
+        from server.observability.tracing.otel import OtelExporter  # the SDK is imported only when it is used
 
         otel = OtelExporter(settings.otel)
         prom.register(TraceCollector(otel))

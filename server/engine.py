@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, disable_created_metrics
 
-from server.custom_metrics import CustomMetrics
+from server.observability.custom_metrics import CustomMetrics
 from server.defaults import max_model_queued_bytes, max_queued_bytes
-from server.generation_metrics import GenerationFamilies
-from server.loop_load import LoopLoad
-from server.metrics import CacheCollector, Histograms, ModelProcessRestarts, StatsCollector
-from server.model_control import ModelControl
+from server.observability.generation_metrics import GenerationFamilies
+from server.observability.loop_load import LoopLoad
+from server.observability.metrics import CacheCollector, Histograms, ModelProcessRestarts, StatsCollector
+from server.doors.model_control import ModelControl
 from server.repository.registry import Registry
 from server.response_cache import ResponseCache
 from server.runners.factory import RunnerFactory

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.assembly import Assembler, assembler_for
+from server.tensors.assembly import Assembler, assembler_for
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError
-from server.padding import PadCount
+from server.tensors.padding import PadCount
 from server.request import Batch
-from server.signature import Signature
+from server.tensors.signature import Signature
 
 
 @dataclass(slots=True)

@@ -6,8 +6,8 @@ import numpy as np
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from server import datatypes
-from server.rpc.codec import to_raw
+from server.tensors import datatypes
+from server.doors.grpc.codec import to_raw
 
 # One tensor per KServe datatype numpy can hold, with each type's extremes.
 ALL_TYPES = {

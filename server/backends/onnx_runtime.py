@@ -17,7 +17,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from protos import model_config_pb2 as mc
-from server import datatypes
+from server.tensors import datatypes
 from server.backends.base import Backend, Device, parameter
 from server.errors import ConfigError
 

@@ -51,7 +51,7 @@ def add_batch_command(sub) -> None:
 
 
 def main(args) -> int:
-    from server.log_settings import LOG_FORMAT
+    from server.observability.log_settings import LOG_FORMAT
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
     problem = _flag_problem(args)

@@ -1,7 +1,7 @@
 """The model repository served inside this process, reached through the HTTP door's own app.
 
 The engine is built as `ferry serve` builds it (server/engine.py) and every line goes through the
-Starlette app of server/web/ in memory (asgi.py), behind the same gate, so its answer is the HTTP
+Starlette app of server/doors/http/ in memory (asgi.py), behind the same gate, so its answer is the HTTP
 API's, byte for byte: no second encoder, and no socket is opened.
 """
 
@@ -10,17 +10,17 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from server.access import AccessPolicy, restriction_table
+from server.doors.access import AccessPolicy, restriction_table
 from server.app import ServerConfig, ServerHealth
 from server.batch import asgi
-from server.drain import Drain
+from server.doors.drain import Drain
 from server.engine import build_engine
-from server.log_settings import LogControl
-from server.metrics import FrontDoorRequests
-from server.model_control import ModelControl
+from server.observability.log_settings import LogControl
+from server.observability.metrics import FrontDoorRequests
+from server.doors.model_control import ModelControl
 from server.repository.registry import READY
-from server.tokens import Tokens
-from server.web.server import WebOptions, build_app
+from server.doors.tokens import Tokens
+from server.doors.http.server import WebOptions, build_app
 
 log = logging.getLogger("ferry.batch")
 CLOSE_GRACE_S = 30.0

@@ -15,7 +15,9 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from server import datatypes, tensors
+from server.tensors import datatypes
+
+from server.tensors import wire as tensors
 from server.ipc.arena import Allocator, Arena
 
 

@@ -17,7 +17,7 @@ from google.protobuf import json_format, text_format
 from protos import model_config_pb2 as mc
 from server.errors import ConfigError
 from server.repository import config_errors
-from server.reshape import validate as validate_reshape
+from server.tensors.reshape import validate as validate_reshape
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protos import model_config_pb2 as mc
-from server import backends, classification
+from server import backends
+from server.tensors import classification
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.names import is_version_folder
 from server.repository import config as config_io
 from server.repository import ensemble_config, warmup
-from server.signature import Signature
+from server.tensors.signature import Signature
 
 log = logging.getLogger(__name__)
 

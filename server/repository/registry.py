@@ -18,10 +18,10 @@ from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S
 from server.errors import ConfigError, ModelNotFoundError, ModelUnavailableError
 from server.names import check_model_name, parse_version, shown
 from server.repository import inline_load, loader
-from server.signature import Signature
+from server.tensors.signature import Signature
 
 if TYPE_CHECKING:
-    from server.metrics import ModelStats
+    from server.observability.metrics import ModelStats
     from server.runners.base import Runner
 
     BuildRunner = Callable[[str, loader.LoadedVersion], Runner]

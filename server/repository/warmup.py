@@ -21,12 +21,13 @@ from pathlib import Path
 import numpy as np
 
 from protos import model_config_pb2 as mc
-from server import datatypes, tensors
-from server.assembly import assembler_for
+from server.tensors import datatypes
+from server.tensors import wire as tensors
+from server.tensors.assembly import assembler_for
 from server.backends.base import Backend
 from server.errors import ConfigError
 from server.request import Batch, InferRequest
-from server.signature import Signature
+from server.tensors.signature import Signature
 
 log = logging.getLogger(__name__)
 WARMUP_FOLDER = "warmup"

@@ -16,7 +16,7 @@ import time
 from typing import Protocol
 
 from server.errors import ModelUnavailableError, QueueFullError
-from server.metrics import ModelStats
+from server.observability.metrics import ModelStats
 from server.scheduling.budget import ByteBudget
 
 log = logging.getLogger(__name__)

@@ -24,8 +24,8 @@ import numpy as np
 
 from server import response_cache
 from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
-from server.loop_load import LoopLoad
-from server.metrics import ModelStats
+from server.observability.loop_load import LoopLoad
+from server.observability.metrics import ModelStats
 from server.request import Batch, InferRequest
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, RunnerBase
@@ -33,8 +33,8 @@ from server.runners.isolation import Outcome, run_isolated
 from server.runners.ordering import ResponseOrder
 from server.scheduling.base import Scheduler
 from server.scheduling.budget import ByteBudget
-from server.tracing.batches import batch_ran
-from server.tracing.record import QUEUE_START
+from server.observability.tracing.batches import batch_ran
+from server.observability.tracing.record import QUEUE_START
 from server.worker import BatchResult, Worker
 
 log = logging.getLogger(__name__)

@@ -20,11 +20,11 @@ import numpy as np
 
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError, ModelUnavailableError
-from server.metrics import ModelStats, failure_reason
+from server.observability.metrics import ModelStats, failure_reason
 from server.request import InferRequest
 from server.runners.base import DECOUPLED, RunnerBase
 from server.scheduling.budget import ByteBudget
-from server.signature import Signature
+from server.tensors.signature import Signature
 
 _DONE = object()
 

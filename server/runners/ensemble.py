@@ -21,12 +21,12 @@ import numpy as np
 from protos import model_config_pb2 as mc
 from server import response_cache
 from server.errors import FerryError, InvalidInputError, ModelUnavailableError
-from server.metrics import ModelStats
+from server.observability.metrics import ModelStats
 from server.request import InferRequest
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, Runner, RunnerBase
-from server.signature import Signature
-from server.tracing.record import REQUEST_END, step_trace
+from server.tensors.signature import Signature
+from server.observability.tracing.record import REQUEST_END, step_trace
 
 
 class StepModel(Protocol):

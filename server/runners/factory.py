@@ -16,10 +16,10 @@ from protos import model_config_pb2 as mc
 from server.backends import GENERATION
 from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
-from server.custom_metrics import CustomMetrics
-from server.generation_metrics import GenerationFamilies, GenerationStats
-from server.loop_load import LoopLoad
-from server.metrics import Histograms, ModelProcessRestarts, ModelStats
+from server.observability.custom_metrics import CustomMetrics
+from server.observability.generation_metrics import GenerationFamilies, GenerationStats
+from server.observability.loop_load import LoopLoad
+from server.observability.metrics import Histograms, ModelProcessRestarts, ModelStats
 from server.response_cache import ResponseCache
 from server.repository.ensemble_config import step_order
 from server.runners.base import Runner

@@ -20,8 +20,8 @@ from typing import Any, AsyncIterator
 from server.backends.llm.engine import LLMBackend
 from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings
 from server.errors import BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError
-from server.generation_metrics import GenerationStats
-from server.metrics import ModelStats
+from server.observability.generation_metrics import GenerationStats
+from server.observability.metrics import ModelStats
 from server.runners.base import GENERATE, RunnerBase
 from server.runners.sampling import sampling_params
 from server.runners.step_isolation import StepOutcome, run_step_isolated

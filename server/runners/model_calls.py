@@ -19,10 +19,10 @@ from typing import Callable
 import numpy as np
 
 from server.backends.python import protocol as p
-from server.custom_metrics import CustomMetrics
+from server.observability.custom_metrics import CustomMetrics
 from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, ModelNotFoundError,
                            ModelUnavailableError, QueueFullError, UnsupportedError)
-from server.metrics import ModelProcessRestarts
+from server.observability.metrics import ModelProcessRestarts
 from server.request import InferRequest
 from server.runners.base import DECOUPLED, INFER
 from server.runners.ensemble import LateLookup
@@ -35,7 +35,7 @@ _CODES = [(InvalidInputError, p.INVALID_ARG), (ModelNotFoundError, p.NOT_FOUND),
 
 
 class LateControl:
-    """The server's model control (server/model_control.py), bound once the registry exists: pb_utils.load_model
+    """The server's model control (server/doors/model_control.py), bound once the registry exists: pb_utils.load_model
     and unload_model go through it, so model code meets the same mode and upload rules as a client does."""
 
     def __init__(self):

@@ -25,7 +25,7 @@ import numpy as np
 
 from server.defaults import MAX_QUEUED_REQUESTS
 from server.errors import DeadlineExceededError, InvalidInputError, ModelUnavailableError, QueueFullError
-from server.metrics import failure_reason
+from server.observability.metrics import failure_reason
 from server.request import InferRequest
 from server.runners.base import INFER, RunnerBase
 from server.runners.batch import ModelRunner

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from protos import model_config_pb2 as mc
-from server import datatypes
+from server.tensors import datatypes
 from server.errors import InvalidInputError
 from server.repository.config import field_error
-from server.signature import Signature, TensorSpec
+from server.tensors.signature import Signature, TensorSpec
 
 Control = mc.ModelSequenceBatching.Control
 START, READY, END, CORRID = (Control.CONTROL_SEQUENCE_START, Control.CONTROL_SEQUENCE_READY,

@@ -30,7 +30,7 @@ NOTE (the adaptive rule). An instance is free; a group of n rows waits, its olde
     (20% of it is left for transport and jitter). Sparse traffic (r * remaining budget < 1) or no
     execution measurement yet: dispatch now, so nothing waits in vain and the model is measured first.
   * The front end (the one event loop doing every request's gRPC decode and encode) is seen through
-    one number the runner hands in: the loop's busy share B (server/loop_load.py). At B >= 0.85 the
+    one number the runner hands in: the loop's busy share B (server/observability/loop_load.py). At B >= 0.85 the
     loop is the bottleneck, and the wait changes as follows (the load test above still comes first:
     an instance at load >= 1/2 waits only for a clear gain in rows per unit time, whatever B).
     Requests waiting for the loop are invisible here (they are inside gRPC's core or the client, not

@@ -25,7 +25,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from protos import grpc_service_pb2 as pb
-from server import datatypes
+from server.tensors import datatypes
 from tests import builders, kserve
 from tests.conftest import RunningServer, link_shipped_models, wait_for
 from tests.integration.test_drain import _code, health_status

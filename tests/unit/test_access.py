@@ -1,4 +1,4 @@
-"""The access table (server/access.py): every RPC of the KServe service is classified on purpose, the
+"""The access table (server/doors/access.py): every RPC of the KServe service is classified on purpose, the
 control calls are exactly the ones that change what is served or how the server behaves, and Triton's
 restricted-API flag syntax is parsed with errors that say what is wrong."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from protos import grpc_service_pb2 as pb
-from server.access import (CATEGORIES, GRPC_OPERATIONS, AccessPolicy, Operation, grpc_operation, http_operation,
+from server.doors.access import (CATEGORIES, GRPC_OPERATIONS, AccessPolicy, Operation, grpc_operation, http_operation,
                            parse_restriction, restriction_table)
-from server.tokens import Tokens
+from server.doors.tokens import Tokens
 
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 CONTROL_RPCS = {"RepositoryModelLoad", "RepositoryModelUnload", "LogSettings", "TraceSetting"}

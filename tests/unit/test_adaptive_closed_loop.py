@@ -6,7 +6,7 @@ decode and submit, an answer to encode, a finished batch to take back, a window'
 runs a batch beside it. A light model on a saturated loop, roughly as the quiet benchmark run shows
 it at 64 clients (1 / throughput fitted to 310 us per request + 600 us per batch): 310 us of loop time
 per request, 600 us per dispatched batch, 60 us + 26 us per row on the instance. The busy share is
-handed in as a number, as the runner hands in what server/loop_load.py measured. What this model
+handed in as a number, as the runner hands in what server/observability/loop_load.py measured. What this model
 cannot say is which policy serves most on a real machine (that is bench/dynamic_batching.py's job);
 the tests here check what must hold whatever the costs.
 """

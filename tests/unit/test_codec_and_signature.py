@@ -8,8 +8,8 @@ import pytest
 from protos import grpc_service_pb2 as pb
 from protos import model_config_pb2 as mc
 from server.errors import InvalidInputError
-from server.rpc import codec
-from server.signature import Signature
+from server.doors.grpc import codec
+from server.tensors.signature import Signature
 
 
 def raw_request(name, datatype, shape, data: bytes) -> pb.ModelInferRequest:

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deploy import validate
-from server.rpc.server import LIVENESS_SERVICE
+from server.doors.grpc.server import LIVENESS_SERVICE
 from tests.conftest import ROOT
 
 
@@ -113,4 +113,4 @@ def test_the_autoscaler_reads_a_queue_metric_ferry_exports():
     assert metric["pods"]["metric"]["name"] == rule["name"]["as"]
     series = re.match(r"\^(\w+)\$", rule["name"]["matches"]).group(1)
     assert series in rule["seriesQuery"]
-    assert f'"{series}"' in (ROOT / "server" / "metrics.py").read_text()  # exported per model (a gauge)
+    assert f'"{series}"' in (ROOT / "server" / "observability" / "metrics.py").read_text()  # exported per model (a gauge)

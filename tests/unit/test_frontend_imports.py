@@ -11,7 +11,7 @@ HEAVY = ("torch", "onnxruntime", "transformers", "server.runners", "server.repos
 
 
 def test_front_end_process_imports_nothing_of_the_engine():
-    code = ("import sys, server.frontend.process; "
+    code = ("import sys, server.doors.processes.process; "
             f"print([m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or m.startswith({HEAVY!r})])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parents[2])

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from server.assembly import copy_rows, join_rows
+from server.tensors.assembly import copy_rows, join_rows
 
 RNG = np.random.default_rng(0)
 

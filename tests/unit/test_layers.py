@@ -24,7 +24,7 @@ def _sources(*folders: str) -> dict[Path, str]:
 
 
 def test_front_doors_and_registry_never_branch_on_backend_names_or_runner_classes():
-    sources = _sources("rpc", "repository")
+    sources = _sources("doors/grpc", "repository")
     assert len(sources) > 8
     runner_classes = "|".join(("ModelRunner", "GenerationRunner", "RunnerBase", "LLMBackend"))
     for path, text in sources.items():
@@ -37,7 +37,7 @@ def test_front_doors_and_registry_never_branch_on_backend_names_or_runner_classe
 def test_the_registry_imports_no_runner_worker_scheduler_or_metrics_class():
     text = (ROOT / "server" / "repository" / "registry.py").read_text()
     runtime = text.split("if TYPE_CHECKING:")[0]  # type-only imports name the protocol, nothing else
-    for module in ("server.runners", "server.worker", "server.scheduling", "server.metrics", "server.generation_metrics"):
+    for module in ("server.runners", "server.worker", "server.scheduling", "server.observability.metrics", "server.observability.generation_metrics"):
         assert f"from {module}" not in runtime and f"import {module}" not in runtime, module
 
 
@@ -49,6 +49,25 @@ def test_batch_reaches_the_http_door_only_through_its_app():
     for path, text in sources.items():
         imports = re.findall(r"^\s*(?:from|import) (server\.[\w.]+)", text, re.M)
         for module in imports:
-            assert not module.startswith(("server.runners", "server.frontdoor", "server.rpc")), f"{path.name}: {module}"
-            assert not module.startswith("server.web") or module == "server.web.server", f"{path.name}: {module}"
+            assert not module.startswith(("server.runners", "server.doors.shared", "server.doors.grpc")), f"{path.name}: {module}"
+            assert not module.startswith("server.doors.http") or module == "server.doors.http.server", f"{path.name}: {module}"
     assert "build_app" in (ROOT / "server" / "batch" / "local.py").read_text()
+
+
+def test_only_the_wiring_and_offline_batch_know_the_doors():
+    """The ways in live in server/doors/: nothing below them imports a door (wire formats, access,
+    model control stay there); only the process wiring and `ferry batch` (which drives the HTTP door's
+    app) reach in."""
+    allowed = {ROOT / "server" / name for name in ("app.py", "__main__.py", "engine.py")}
+    for path in (ROOT / "server").rglob("*.py"):
+        if path in allowed or (ROOT / "server" / "doors") in path.parents or (ROOT / "server" / "batch") in path.parents:
+            continue
+        imports = re.findall(r"^\s*(?:from|import) (server\.doors[\w.]*)", path.read_text(), re.M)
+        assert not imports, f"{path.relative_to(ROOT)} imports {imports}"
+
+
+def test_the_top_floor_holds_wiring_records_and_the_request_path_only():
+    """Every other module lives in a room named for what it owns (docs/architecture.md)."""
+    top = {p.name for p in (ROOT / "server").glob("*.py")}
+    assert top == {"__init__.py", "__main__.py", "app.py", "engine.py", "event_loop.py", "defaults.py", "heap.py",
+                   "errors.py", "names.py", "request.py", "worker.py", "response_cache.py", "config_json.py"}, top

@@ -1,4 +1,4 @@
-"""Choosing the event loop (server/event_loop.py) and measuring its load (server/loop_load.py) on each kind."""
+"""Choosing the event loop (server/event_loop.py) and measuring its load (server/observability/loop_load.py) on each kind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from server import event_loop
-from server.loop_load import LoopLoad
+from server.observability.loop_load import LoopLoad
 from tests.conftest import wait_for_async
 
 

@@ -2,13 +2,13 @@
 
 import logging
 
-from server.rpc.passthrough import MalformedBodies
+from server.doors.grpc.passthrough import MalformedBodies
 
 
 def test_a_flood_of_bad_bodies_logs_one_line_per_interval_with_the_count(caplog):
     now = [1000.0]
     bodies = MalformedBodies(interval_s=60.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="server.rpc.passthrough"):
+    with caplog.at_level(logging.WARNING, logger="server.doors.grpc.passthrough"):
         for _ in range(50):
             bodies.record("ModelInfer", "truncated message")
         now[0] += 59.0

@@ -2,7 +2,7 @@
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from server.metrics import observe_all
+from server.observability.metrics import observe_all
 
 BUCKETS = (100, 250, 500, 1_000)
 

@@ -7,10 +7,10 @@ import pytest
 
 from protos import model_config_pb2 as mc
 from server.errors import BackendError, ConfigError, InvalidInputError
-from server.assembly import PaddedAssembler
-from server.padding import Padding
+from server.tensors.assembly import PaddedAssembler
+from server.tensors.padding import Padding
 from server.request import Batch, InferRequest
-from server.signature import Signature
+from server.tensors.signature import Signature
 
 
 def config(**x_fields) -> mc.ModelConfig:

@@ -9,15 +9,15 @@ import time
 import numpy as np
 
 from protos import model_config_pb2 as mc
-from server.assembly import Assembler
+from server.tensors.assembly import Assembler
 from server.backends.base import Backend, Device
 from server.errors import BackendError, ModelUnavailableError
-from server.metrics import ModelStats
+from server.observability.metrics import ModelStats
 from server.request import InferRequest
 from server.runners.batch import ModelRunner
 from server.scheduling.dynamic import BatchingSettings, DynamicBatcher
 from server.scheduling.queue import QueuePolicy, RequestQueue
-from server.signature import Signature
+from server.tensors.signature import Signature
 from server.worker import Worker
 from tests.conftest import wait_for_async
 
@@ -220,7 +220,7 @@ def test_batches_are_assembled_on_the_event_loop(monkeypatch):
 def test_the_loops_busy_share_reaches_the_adaptive_window():
     """The runner hands the measured front-end load to its scheduler at every cut (wiring, not timing:
     the value is whatever the loop measured, and the window must hold that very value)."""
-    from server.loop_load import LoopLoad
+    from server.observability.loop_load import LoopLoad
 
     HeldEcho.reset()
     HeldEcho.gate.set()

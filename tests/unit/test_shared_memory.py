@@ -1,4 +1,4 @@
-"""server/shared_memory.py against real mapped files: bounds, the one copy, release."""
+"""server/tensors/shared_memory.py against real mapped files: bounds, the one copy, release."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from server import datatypes
+from server.tensors import datatypes
 from server.errors import AlreadyExistsError, InvalidInputError, RegionNotFoundError
-from server.shared_memory import SHM_DIR, Placement, SharedMemoryRegistry, placement
+from server.tensors.shared_memory import SHM_DIR, Placement, SharedMemoryRegistry, placement
 
 FP32, BYTES = datatypes.BY_API["FP32"], datatypes.BY_API["BYTES"]
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from server.errors import DisabledError, InvalidInputError
-from server.tracing import settings as ts
-from server.tracing.control import TraceControl
-from server.tracing.file_writer import TraceFileWriter
+from server.observability.tracing import settings as ts
+from server.observability.tracing.control import TraceControl
+from server.observability.tracing.file_writer import TraceFileWriter
 
 
 def test_flags_in_tritons_syntax():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from server.web.server import listening_socket
+from server.doors.http.server import listening_socket
 
 
 async def _accepted_nodelay(sock: socket.socket) -> int:

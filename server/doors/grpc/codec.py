@@ -1,0 +1,135 @@
+"""KServe v2 protobuf tensors <-> numpy (raw bytes through server/tensors/wire.py, shared with HTTP).
+
+Raw contents become numpy views over the received bytes (no copy, no per-element Python work);
+typed contents are read by numpy straight from protobuf's repeated fields (np.fromiter, no
+intermediate list). BYTES is the one exception: each element is its own Python object, so it is
+parsed element by element.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from protos import grpc_service_pb2 as pb
+from server.tensors import datatypes
+from server.tensors import shared_memory
+from server.tensors import wire as tensors
+from server.errors import InvalidInputError
+from server.names import shown
+from server.tensors.wire import to_raw
+
+# Typed-contents field for each API datatype (FP16 and BF16 have none: raw only).
+_TYPED_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+    "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+    "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+# Request parameters Triton reserves; anything else named triton_* is refused like Triton does.
+_RESERVED_TRITON_KEYS = {"triton_enable_empty_final_response"}
+_NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
+
+
+
+def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, np.ndarray]:
+    """`read_shared(tensor, dtype, shape)`: the array of an input that names a shared memory region, or
+    None when it names none. As Triton, raw_input_contents carry only the inputs not in shared memory, in order."""
+    raw = request.raw_input_contents
+    sent = request.inputs  # read once: each access of a repeated field builds a new wrapper
+    if raw:
+        inline = 0
+        for t in sent:
+            if t.HasField("contents"):  # Triton's words first: its example clients match on them
+                raise InvalidInputError(
+                    f"contents field must not be specified when using raw_input_contents for {shown(t.name)} for model "
+                    f"{shown(request.model_name)}: send every input raw or every input typed"
+                )
+            if shared_memory.REGION not in t.parameters:
+                inline += 1
+        if len(raw) != inline:
+            raise InvalidInputError(
+                f"request has {inline} inputs sent in the request but {len(raw)} raw_input_contents entries; send one "
+                "per input not in shared memory, in order"
+            )
+    inputs, index = {}, 0
+    for tensor in sent:
+        name = tensor.name
+        if name in inputs:
+            raise InvalidInputError(f"input {shown(name)} appears twice in the request")
+        dtype = datatypes.BY_API.get(tensor.datatype)
+        if dtype is None:
+            raise InvalidInputError(
+                f"input {shown(name)} has unknown datatype {shown(tensor.datatype)}; use one of {sorted(datatypes.BY_API)}"
+            )
+        shape = tensors.checked_shape(name, tuple(tensor.shape))
+        from_region = read_shared(tensor, dtype, shape) if read_shared is not None else None
+        if from_region is not None:
+            inputs[name] = from_region
+        elif raw:
+            inputs[name] = tensors.from_raw(name, dtype, shape, raw[index])
+            index += 1
+        else:
+            inputs[name] = _from_typed(tensor, dtype, shape)
+    return inputs
+
+
+def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
+    field = _TYPED_FIELD.get(dtype.api)
+    if field is None:
+        raise InvalidInputError(f"input {shown(tensor.name)}: datatype {dtype.api} can only be sent as raw_input_contents")
+    values = getattr(tensor.contents, field)
+    count = math.prod(shape)
+    if len(values) != count:
+        raise InvalidInputError(
+            f"input {shown(tensor.name)}: contents.{field} has {len(values)} elements but shape {list(shape)} needs {count}"
+        )
+    if dtype.api == "BYTES":
+        array = np.empty(count, dtype=object)
+        array[:] = list(values)
+    elif dtype.api in _NARROW_INTS:  # carried in 32-bit fields: check the range instead of wrapping silently
+        wide = np.fromiter(values, dtype=np.int64, count=count)
+        info = np.iinfo(dtype.numpy)
+        if count and (wide.min() < info.min or wide.max() > info.max):
+            raise InvalidInputError(f"input {shown(tensor.name)}: values outside the {dtype.api} range [{info.min}, {info.max}]")
+        array = wide.astype(dtype.numpy)
+    else:
+        array = np.fromiter(values, dtype=dtype.numpy, count=count)
+    return array.reshape(shape)
+
+
+def decode_parameters(params) -> dict[str, Any]:
+    out = {}
+    for key, param in params.items():
+        if key.startswith("triton_") and key not in _RESERVED_TRITON_KEYS:
+            raise InvalidInputError(f"parameter {shown(key)} is reserved (names starting with 'triton_')")
+        which = param.WhichOneof("parameter_choice")
+        out[key] = getattr(param, which) if which else None
+    return out
+
+
+def encode_response(
+    request: pb.ModelInferRequest, version: int, outputs: dict[str, np.ndarray], order: tuple[str, ...],
+    shared: dict | None = None,
+) -> pb.ModelInferResponse:
+    """Build the reply with raw contents only (tritonclient never reads typed numeric outputs).
+
+    `shared`: output name -> (Region, Placement) for outputs asked into shared memory. Those are written
+    there and answered, as Triton does, with their metadata and the region's parameters; their
+    raw_output_contents entry stays empty so the others keep their positions (tritonclient reads by index)."""
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+    for name in order:
+        array = outputs[name]
+        tensor = response.outputs.add(name=name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)
+        if shared and name in shared:
+            for key, value in shared_memory.write_output(shared[name], array).items():
+                if isinstance(value, str):
+                    tensor.parameters[key].string_param = value
+                else:
+                    tensor.parameters[key].int64_param = value
+            response.raw_output_contents.append(b"")
+        else:
+            response.raw_output_contents.append(to_raw(array))
+    return response

@@ -1,0 +1,128 @@
+"""ModelStreamInfer, Triton's bidirectional stream: many requests in, their responses out.
+
+Requests to ordinary models are answered exactly once each, in the order they arrived on the stream
+(while they run concurrently, so they still batch). Requests to generation models (decoupled) are
+read with Triton's vLLM tensor conventions (vllm_tensors.py) and answered as their tokens come; each
+response carries `triton_final_response`. Decoupled python models answer 0..N times as the model
+yields, each with `triton_final_response: false`; as in Triton, the end is marked by an empty final
+response when the request asks for one (`triton_enable_empty_final_response`, tritonclient's
+`enable_empty_final_response=True`). Errors go back as `error_message` and the stream goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+from protos import grpc_service_pb2 as pb
+from server.errors import FerryError
+from server.names import capped
+from server.repository.registry import ModelVersion, Registry
+from server.doors.grpc import vllm_tensors
+from server.doors.shared import serving
+from server.doors.grpc.passthrough import Undecodable
+from server.runners.base import DECOUPLED, GENERATE
+
+InferOne = Callable[[pb.ModelInferRequest, int], Awaitable[pb.ModelInferResponse]]
+StreamOne = Callable[[pb.ModelInferRequest, int], AsyncIterator[pb.ModelInferResponse]]
+
+
+async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInferRequest], infer_one: InferOne,
+                       deadline_ns: int | None = None,
+                       stream_one: StreamOne | None = None) -> AsyncIterator[pb.ModelStreamInferResponse]:
+    """`deadline_ns`: the stream's own gRPC deadline, which bounds every generation on it;
+    `stream_one`: answers a request to a decoupled model, 0..N responses."""
+    out: asyncio.Queue = asyncio.Queue()
+    tasks: set[asyncio.Task] = set()
+    previous: asyncio.Future | None = None  # the last ordered answer, which the next one waits for
+
+    async def read() -> None:
+        nonlocal previous
+        try:
+            async for request in requests:
+                turn = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(_serve(registry, request, (infer_one, stream_one), out, previous, turn,
+                                                       deadline_ns))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                previous = turn
+            await asyncio.gather(*list(tasks))
+        finally:
+            out.put_nowait(None)  # however reading ended, the response side must too
+
+    reader = asyncio.create_task(read())
+    try:
+        while (response := await out.get()) is not None:
+            yield response
+    finally:
+        reader.cancel()
+        for task in list(tasks):
+            task.cancel()
+
+
+async def _serve(registry, request, answer, out, previous, turn, deadline_ns) -> None:
+    arrival = time.monotonic_ns()
+    infer_one, stream_one = answer
+    try:
+        if isinstance(request, Undecodable):  # a message that did not parse: answered here, the stream goes on
+            raise request.error
+        serves = registry.get(request.model_name, request.model_version).runner.serves
+        if serves == DECOUPLED and stream_one is not None:
+            turn.set_result(None)  # its responses interleave freely with the others
+            await _decoupled(stream_one(request, arrival), request, out)
+            return
+        if serves == GENERATE:
+            turn.set_result(None)  # decoupled: its responses interleave freely with the others
+            async with contextlib.aclosing(_generate(registry, request, arrival, deadline_ns)) as responses:
+                async for response in responses:
+                    out.put_nowait(pb.ModelStreamInferResponse(infer_response=_final(*response)))
+            return
+        response = pb.ModelStreamInferResponse(infer_response=_final(await infer_one(request, arrival), True))
+    except Exception as exc:  # noqa: BLE001 - one request's failure is reported on the stream, which goes on
+        message = capped(exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}")
+        failed = _final(pb.ModelInferResponse(id=request.id, model_name=request.model_name), True)
+        response = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+    if previous is not None:
+        await previous
+    out.put_nowait(response)
+    if not turn.done():
+        turn.set_result(None)
+
+
+async def _decoupled(responses: AsyncIterator[pb.ModelInferResponse], request: pb.ModelInferRequest, out) -> None:
+    async with contextlib.aclosing(responses):
+        async for response in responses:
+            out.put_nowait(pb.ModelStreamInferResponse(infer_response=_final(response, False)))
+    wants = request.parameters.get("triton_enable_empty_final_response")
+    if wants is not None and wants.bool_param:
+        empty = pb.ModelInferResponse(id=request.id, model_name=request.model_name, model_version=request.model_version)
+        out.put_nowait(pb.ModelStreamInferResponse(infer_response=_final(empty, True)))
+
+
+def _final(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferResponse:
+    response.parameters["triton_final_response"].bool_param = final
+    return response
+
+
+async def _generate(registry: Registry, request: pb.ModelInferRequest, arrival: int,
+                    deadline_ns: int | None) -> AsyncIterator[tuple[pb.ModelInferResponse, bool]]:
+    mv: ModelVersion = serving(registry, request.model_name, request.model_version, GENERATE)
+    read = vllm_tensors.read_request(request, arrival, deadline_ns)
+    decoded = mv.runner.decode(read.given)
+    pieces = [] if read.exclude_input else [decoded.prompt_text]
+    logprobs = [] if decoded.sampling.logprobs is not None else None
+    async with contextlib.aclosing(mv.runner.generate(decoded)) as events:
+        async for event in events:
+            final = event.finish_reason is not None
+            if read.streaming:
+                yield vllm_tensors.text_response(request, mv.version, event.text, event.finish_reason,
+                                                 None if logprobs is None else event.logprobs or []), final
+            else:
+                pieces.append(event.text)
+                if logprobs is not None:
+                    logprobs.extend(event.logprobs or [])
+                if final:
+                    yield vllm_tensors.text_response(request, mv.version, "".join(pieces), event.finish_reason,
+                                                     logprobs), True

@@ -1,0 +1,1 @@
+"""What the server tells about itself: metrics, the /metrics page, log settings, loop load, custom metrics, traces."""
