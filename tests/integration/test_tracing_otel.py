@@ -54,7 +54,7 @@ class Collector:
                 self.wfile.write(reply)
 
             def log_message(self, *args):
-                pass
+                """Silent: the collector's access log is not the test's output."""
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
