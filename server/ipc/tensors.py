@@ -1,8 +1,8 @@
 """Tensors between Ferry's processes: written once into an arena block, read as numpy views over it.
 
 The record says where a tensor is: in the arena (`offset` set, `data` None) or inline in the frame
-(`data` its raw KServe bytes), used when the arena is missing or full. A writer allocates in the half
-of the arena it owns and writes each tensor once; the reader makes views (no copy) and hands a block
+(`data` its raw KServe bytes), used for small tensors and when the arena is missing or full. A
+writer allocates in the half of the arena it owns and writes each tensor once; the reader makes views (no copy) and hands a block
 back (the owner frees it) only when its last view is gone: `view` arranges that with a finalizer on
 the object every view keeps alive. BYTES travel as their raw KServe bytes (length-prefixed elements)
 and are parsed on arrival, which copies them anyway, so their block is handed back at once.
@@ -20,6 +20,10 @@ from server.tensors import datatypes
 from server.tensors import wire as tensors
 from server.ipc.arena import Allocator, Arena
 
+# Below this size a tensor rides in its frame: copying a few hundred bytes costs less than a block's
+# allocation, its finalizer and the message that hands it back.
+INLINE_BYTES = 2048
+
 
 class Tensor(NamedTuple):
     name: str
@@ -31,11 +35,14 @@ class Tensor(NamedTuple):
 
 
 def put(name: str, array: np.ndarray, arena: Arena | None, blocks: Allocator | None) -> Tensor:
-    """`array` written once into a block of `blocks` (inline when there is no arena or it does not fit)."""
+    """`array` written once into a block of `blocks` (inline when there is no arena, it does not fit, or
+    it is small)."""
     array = np.asarray(array)
     api = datatypes.from_numpy(array.dtype).api
     raw = tensors.to_raw(array) if array.dtype.kind in "OSU" else None
     nbytes = len(raw) if raw is not None else array.nbytes
+    if raw is None and nbytes <= INLINE_BYTES:  # a bytearray: the reader's array is writable, as a block's is
+        return Tensor(name, api, tuple(array.shape), nbytes, None, bytearray(np.ascontiguousarray(array)))
     offset = blocks.allocate(nbytes) if blocks is not None and nbytes else None
     if offset is None:
         return Tensor(name, api, tuple(array.shape), nbytes, None, raw if raw is not None else array.tobytes())

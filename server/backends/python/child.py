@@ -45,8 +45,10 @@ class Host:
         self._freed: collections.deque[int] = collections.deque()  # appended by finalizers, on any thread
         self._work: queue.Queue = queue.Queue()  # work the helper read while the main thread was busy
         self._reading = threading.Lock()  # held by whichever thread is in recv
-        self._busy = threading.Event()  # the main thread runs model code: the helper reads
+        self._busy = threading.Event()  # the main thread has run model code since the helper last looked
         self._wanted = threading.Event()  # model code waits for an answer (BLS): the helper reads at once
+        self._running = False  # the main thread is in model code now
+        self._started = 0  # work items begun: tells the helper whether the one it timed is still running
         self._pending: dict[int, tuple[Future, queue.Queue | None]] = {}  # BLS and control calls
         self._refs = itertools.count(1)
         self._cancelled: set[int] = set()
@@ -81,13 +83,21 @@ class Host:
                 return frame
 
     def help_read(self) -> None:
-        """The helper thread: reads while the main thread runs model code that made a BLS call or has run
-        for 2 ms (short executes, the common case, leave the reading to the main thread)."""
+        """The helper thread: reads while one work item has run for 2 ms, or at once while model code
+        waits for an answer (BLS, model control). Short executes back to back, the common case under
+        load, leave the reading to the main thread: then the helper wakes every 2 ms at most, not once a
+        request, and no frame hops between threads."""
         while True:
             self._busy.wait()
+            started = self._started
             self._wanted.wait(0.002)
-            if not self._busy.is_set():
+            if not self._running:
+                self._busy.clear()
+                if self._running:  # a work item began between the check and the clear
+                    self._busy.set()
                 continue
+            if self._started != started and not self._wanted.is_set():
+                continue  # a newer work item: it gets its own 2 ms
             with self._reading:
                 frame = self.link.recv()
             if frame is None:
@@ -96,7 +106,7 @@ class Host:
                 self._work.put(frame)
             else:
                 self._handle(frame)
-                if not self._busy.is_set():
+                if not self._running:
                     self._work.put(_NUDGE)  # the main thread may be waiting on the queue: let it read again
 
     def _handle(self, frame: tuple) -> None:
@@ -136,7 +146,10 @@ class Host:
     def serve(self) -> None:
         while True:
             frame = self._take()
-            self._busy.set()
+            self._started += 1
+            self._running = True
+            if not self._busy.is_set():  # set already while work comes back to back: no lock, no wake-up
+                self._busy.set()
             kind = frame[0]
             if kind == p.INIT:
                 self._init(frame[1])
@@ -150,8 +163,9 @@ class Host:
                 self._finalize()
                 return
             del frame
-            self._busy.clear()
-            self._wanted.clear()
+            self._running = False
+            if self._wanted.is_set():
+                self._wanted.clear()
             self.flush_freed()
 
     def _init(self, args: dict) -> None:

@@ -164,7 +164,7 @@ class FrontInfer:
         view = self.link.arena.view if self.link.arena is not None else None
         for t in outputs:
             response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-            response.raw_output_contents.append(t.data if t.offset is None else bytes(view[t.offset : t.offset + t.nbytes]))
+            response.raw_output_contents.append(bytes(t.data) if t.offset is None else bytes(view[t.offset : t.offset + t.nbytes]))
         self.link.release(outputs)
         return response
 
