@@ -186,7 +186,11 @@ class Worker:
 
 
 def _hand_to_loop(loop, done: asyncio.Future, result, error: Exception | None) -> None:
-    """From any thread: settle `done` on its loop with one call_soon_threadsafe."""
+    """From any thread: settle `done` on its loop with one call_soon_threadsafe; on the loop itself (a
+    model process's answer, read by the loop) at once, without waking the loop through its self-pipe."""
+    if asyncio._get_running_loop() is loop:
+        _settle(done, result, error)
+        return
     try:
         loop.call_soon_threadsafe(_settle, done, result, error)
     except RuntimeError:  # the loop is closed: nobody is waiting any more
