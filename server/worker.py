@@ -36,8 +36,9 @@ class Worker:
         self.assembler: Assembler = assembler_for(signature)  # plain or padded, fixed at load
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
-    def start(self, batch: Batch) -> asyncio.Future[BatchResult]:
-        """Assemble the batch and hand it to the instance's thread now, from the event loop.
+    def start(self, batch: Batch, then=None) -> asyncio.Future[BatchResult]:
+        """Assemble the batch and hand it to the instance's thread now, from the event loop; `then(future)`
+        runs once it is settled.
 
         The copy is done here because the loop holds the GIL already: on the instance's thread it had
         to win the GIL from the busy loop first, and np.concatenate then let go of it around every
@@ -48,21 +49,25 @@ class Worker:
 
         The thread settles the returned future itself with one call_soon_threadsafe: not
         run_in_executor, whose future is chained to a second, concurrent one through two more
-        callbacks on the loop for every batch.
+        callbacks on the loop for every batch. An answer the loop reads itself (a model process's) runs
+        `then` at once: the instance gets its next batch before the callbacks already queued on the loop
+        run, rather than idling behind them.
         """
         loop = asyncio.get_running_loop()
         done = loop.create_future()
+        if then is not None:
+            done.add_done_callback(then)
         t0 = time.monotonic_ns()
         try:
             if getattr(self.backend, "per_request", False):  # the backend answers each request alone
                 if self.backend.can_send():
-                    self._send(loop, done, batch)
+                    self._send(loop, done, batch, then)
                     return done
                 inputs, pad_count = None, PadCount()
             else:
                 inputs, pad_count = self.assembler.gather(batch)
                 if getattr(self.backend, "can_send", None) is not None and self.backend.can_send():
-                    self._send_joined(loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0)
+                    self._send_joined(loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0, then)
                     return done
             self._thread.submit(self._run, loop, done, batch, inputs, pad_count, time.monotonic_ns() - t0, t0)
         except Exception as exc:  # noqa: BLE001 - reported through the batch's future
@@ -97,7 +102,7 @@ class Worker:
         split = self.assembler.split(batch, outputs)
         return BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count, t0, t1)
 
-    def _send(self, loop, done: asyncio.Future, batch: Batch) -> None:
+    def _send(self, loop, done: asyncio.Future, batch: Batch, then=None) -> None:
         """A backend that runs elsewhere (a model process) and is ready takes the batch from the loop, and
         its answer settles the future from wherever it arrives: no hop through the instance's thread,
         which only a backend that must first be (re)started needs."""
@@ -108,13 +113,13 @@ class Worker:
                 result, error = self._answers(batch, answers, t1, time.monotonic_ns()), None
             except Exception as exc:  # noqa: BLE001 - reported through the batch's future
                 result, error = None, exc
-            _hand_to_loop(loop, done, result, error)
+            _hand_to_loop(loop, done, result, error, then)
 
         self.backend.send_requests(batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs
                                                     for r in batch.requests], answered)
 
     def _send_joined(self, loop, done: asyncio.Future, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount,
-                     input_ns: int) -> None:
+                     input_ns: int, then=None) -> None:
         """`_send` for a backend that takes the batch joined (Ferry's `class Model` in a model process)."""
         reshape, t1 = self.signature.reshape, time.monotonic_ns()
 
@@ -131,7 +136,7 @@ class Worker:
                 result, error = None, exc
             except Exception as exc:  # noqa: BLE001 - a model failure fails its own batch, never the server
                 result, error = None, BackendError(f"model '{self.signature.model}' failed: {exc}")
-            _hand_to_loop(loop, done, result, error)
+            _hand_to_loop(loop, done, result, error, then)
 
         self.backend.send_joined(reshape.inputs(inputs) if reshape else inputs, answered)
 
@@ -185,11 +190,14 @@ class Worker:
         self.backend.unload()
 
 
-def _hand_to_loop(loop, done: asyncio.Future, result, error: Exception | None) -> None:
-    """From any thread: settle `done` on its loop with one call_soon_threadsafe; on the loop itself (a
-    model process's answer, read by the loop) at once, without waking the loop through its self-pipe."""
+def _hand_to_loop(loop, done: asyncio.Future, result, error: Exception | None, then=None) -> None:
+    """From any thread: settle `done` on its loop with one call_soon_threadsafe. On the loop itself (a
+    model process's answer, read by the loop): at once, without waking the loop through its self-pipe,
+    and `then` (a callback of `done`) runs now rather than behind the callbacks queued on the loop."""
     if asyncio._get_running_loop() is loop:
         _settle(done, result, error)
+        if then is not None and done.remove_done_callback(then):
+            then(done)
         return
     try:
         loop.call_soon_threadsafe(_settle, done, result, error)

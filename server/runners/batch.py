@@ -202,7 +202,7 @@ class ModelRunner(RunnerBase):
         if log.isEnabledFor(logging.DEBUG):  # `--log-level DEBUG`: one line per batch, to see what the window did
             self._trace(batch, now)
         self.stats.record_dispatched(batch.requests, now)  # queue times; DELAY requests past their deadline run late
-        worker.start(batch).add_done_callback(functools.partial(self._ran, worker, batch))
+        worker.start(batch, functools.partial(self._ran, worker, batch))
 
     def _ran(self, worker: Worker, batch: Batch, running: asyncio.Future[BatchResult]) -> None:
         """A batch's first run is over. Answered here, in the future's callback, when it succeeded (no
