@@ -79,6 +79,19 @@ def test_a_parameter_of_another_type_is_refused_with_tritons_message(served):
     assert refused["message"] == "Expect parameters values to have type bool/int/str, found type <class 'float'>"
 
 
+def test_response_parameters_cross_the_front_end_processes(tmp_path):
+    python_bls_models.write(tmp_path, "tparams", python_bls_models.PARAMS, python_bls_models.PARAMS_CONFIG)
+    server = RunningServer(tmp_path, "--frontend-processes", "2")
+    try:
+        for x in (5, 6):  # more calls than front ends: whichever answers, the parameters come along
+            response = kserve.stub(server.channel).ModelInfer(
+                kserve.request("tparams", {"X": np.array([x], np.int32)}), timeout=60)
+            params = {k: getattr(v, v.WhichOneof("parameter_choice")) for k, v in response.parameters.items()}
+            assert params == {"even": x % 2 == 0, "count": x, "label": f"x={x}"}
+    finally:
+        server.stop()
+
+
 # ---- 2. BLS to a generation model
 
 def test_bls_to_a_generation_model_answers_as_calling_it_directly(served):
