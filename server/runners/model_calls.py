@@ -4,8 +4,11 @@ A BLS request (`pb_utils.InferenceRequest(...).exec()`) arrives on the model pro
 and runs here on the event loop, through the called model's own runner, found through the registry
 at call time as an ensemble's steps are: so it is batched with everyone else's traffic to that model,
 counted in its statistics, and held to its queue policy. The answer (or the error, as a Triton error
-code and message) goes back over the link. A decoupled model called with `exec(decoupled=True)`
-streams its responses back one by one; a batching model called that way answers once.
+code and message, with the response's parameters) goes back over the link. A decoupled model called
+with `exec(decoupled=True)` streams its responses back one by one; a batching model called that way
+answers once; a generation model's call is read as ModelStreamInfer reads Triton's vLLM tensors
+(runners/generation_tensors.py) and run by its own runner. Each call is a task whose future the model
+process holds: cancelling it (the callers of the request that made it left) cancels the call where it is.
 """
 
 from __future__ import annotations
