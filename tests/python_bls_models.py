@@ -136,7 +136,8 @@ output [{ name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }, { name: "
 
 # BLS whose callers go away: MODE 0 calls the gated model "tgated" (queued behind a request the test
 # holds), MODE 1 streams a long generation from "tllm" and marks `<flag>.streaming` at its first piece.
-# What each BLS call ended with (its error code, or "ok") is counted in `test_bls_outcome`.
+# What each BLS call ended with (its error code, or "ok") is counted in `test_bls_outcome`. Decoupled
+# ("tcancel_bls_stream"), it answers through its response sender.
 CANCEL_BLS = '''
 import json, os
 import numpy as np
@@ -145,7 +146,9 @@ import triton_python_backend_utils as pb_utils
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.flag = json.loads(args["model_config"])["parameters"]["flag"]["string_value"]
+        config = json.loads(args["model_config"])
+        self.flag = config["parameters"]["flag"]["string_value"]
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.outcome = pb_utils.MetricFamily("test_bls_outcome", "How the BLS calls of cancelled requests ended",
                                              pb_utils.MetricFamily.COUNTER)
 
@@ -166,7 +169,11 @@ class TritonPythonModel:
                 if response.has_error():
                     self.count(response, request)
                     break
-        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([mode], np.int32))])]
+        response = pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([mode], np.int32))])
+        if not self.decoupled:
+            return [response]
+        request.get_response_sender().send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
 
     def count(self, response, request):
         code = str(response.error().code()) if response.has_error() else "ok"
@@ -174,9 +181,10 @@ class TritonPythonModel:
 '''
 
 
-def cancel_bls_config(flag: Path) -> str:
+def cancel_bls_config(flag: Path, name: str = "tcancel_bls", decoupled: bool = False) -> str:
     return f"""
-name: "tcancel_bls"
+name: "{name}"
+model_transaction_policy {{ decoupled: {decoupled} }}
 backend: "python"
 max_batch_size: 0
 input [{{ name: "MODE", data_type: TYPE_INT32, dims: [ 1 ] }}]
@@ -229,4 +237,5 @@ def build(repo: Path, flag: Path) -> None:
     write(repo, "tparams_bls", PARAMS_BLS, PARAMS_BLS_CONFIG)
     write(repo, "tgen_bls", GEN_BLS, GEN_BLS_CONFIG)
     write(repo, "tcancel_bls", CANCEL_BLS, cancel_bls_config(flag))
+    write(repo, "tcancel_bls_stream", CANCEL_BLS, cancel_bls_config(flag, "tcancel_bls_stream", True))
     write(repo, "tloader", LOADER, LOADER_CONFIG)

@@ -97,6 +97,22 @@ def cancel(grpc_url: str, mode: int, how: str) -> dict:
     return {"error": str(error) if error is not None else None, "answered": result is not None}
 
 
+def cancel_stream(grpc_url: str) -> dict:
+    """One streamed request to tcancel_bls_stream, its stream cancelled by the client."""
+    client = tc.InferenceServerClient(grpc_url)
+    received = queue.Queue()
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    client.async_stream_infer("tcancel_bls_stream", [tensor(tc, "MODE", np.array([0], np.int32), "INT32")])
+    print("sent", flush=True)
+    sys.stdin.readline()
+    client.stop_stream(cancel_requests=True)
+    answered = False
+    while not received.empty():
+        result, _ = received.get()
+        answered = answered or result is not None
+    return {"answered": answered}
+
+
 def load(grpc_url: str, name: str, config: str, onnx_path: str) -> dict:
     client = tc.InferenceServerClient(grpc_url)
     onnx = open(onnx_path, "rb").read() if onnx_path else b""
@@ -120,6 +136,8 @@ def main(argv: list[str]) -> None:
         out = generate(grpc_url, args[0], int(args[1]))
     elif what == "cancel":
         out = cancel(grpc_url, int(args[0]), args[1])
+    elif what == "cancel_stream":
+        out = cancel_stream(grpc_url)
     else:
         out = load(grpc_url, *args)
     print(json.dumps(out), flush=True)

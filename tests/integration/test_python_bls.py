@@ -110,8 +110,8 @@ def test_bls_to_a_generation_model_answers_as_calling_it_directly(served):
 
 # ---- 3. cancellation follows BLS calls
 
-def _start_cancel(served, mode: int, how: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), served.address, served.http_address, "cancel", str(mode), how],
+def _start_cancel(served, *args: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), served.address, served.http_address, *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "sent", proc.stderr.read()
     return proc
@@ -138,26 +138,30 @@ def _hold_gated(served):
     return held
 
 
-@pytest.mark.parametrize("how", ["cancel", "deadline"])
+@pytest.mark.parametrize("how", ["cancel", "deadline", "stream"])
 def test_a_queued_bls_call_of_a_request_whose_caller_left_never_runs(served, how):
+    """`cancel`: the call is cancelled; `deadline`: its gRPC deadline passes; `stream`: a decoupled
+    model's request, its stream cancelled."""
     served.gate.unlink(missing_ok=True)
     Path(str(served.gate) + ".running").unlink(missing_ok=True)
     labels = {"model": "tgated", "version": "1"}
     ran = served.metric("nv_inference_exec_count", **labels) or 0.0
     ended, seen = _outcomes(served, "1", "7"), _outcomes(served, "7", seen=("True",))
     held = _hold_gated(served)
-    proc = _start_cancel(served, 0, how)
-    if how == "cancel":
+    proc = _start_cancel(served, *(["cancel_stream"] if how == "stream" else ["cancel", "0", how]))
+    if how != "deadline":
         wait_for(lambda: served.metric("nv_inference_pending_request_count", **labels) == 1, 60, "the BLS call to queue")
-    result = _finish(proc, cancel=how == "cancel")
-    assert result["answered"] is False and ("cancel" in result["error"].lower() or "deadline" in result["error"].lower()), result
+    result = _finish(proc, cancel=how != "deadline")
+    assert result["answered"] is False, result
+    if how != "stream":
+        assert "cancel" in result["error"].lower() or "deadline" in result["error"].lower(), result
     wait_for(lambda: served.metric("nv_inference_pending_request_count", **labels) == 0, 60, "the BLS call to leave the queue")
     wait_for(lambda: _outcomes(served, "1", "7") == ended + 1, 60, "the BLS call to end")
     served.gate.write_text("")
     held.join(60)
     assert served.metric("nv_inference_exec_count", **labels) == ran + 1  # the held request only
     assert _outcomes(served, "ok") == 0
-    if how == "cancel":  # the model saw its request cancelled, and its BLS call answered CANCELLED
+    if how != "deadline":  # the model saw its request cancelled, and its BLS call answered CANCELLED
         assert _outcomes(served, "7", seen=("True",)) == seen + 1
 
 
@@ -166,7 +170,7 @@ def test_a_generation_a_cancelled_request_called_by_bls_stops(served):
     succeeded = served.metric("nv_inference_request_success", **labels) or 0.0
     cancelled = served.metric("nv_inference_request_failure", reason="CANCELED", **labels) or 0.0
     Path(str(served.flag) + ".streaming").unlink(missing_ok=True)
-    proc = _start_cancel(served, 1, "cancel")
+    proc = _start_cancel(served, "cancel", "1", "cancel")
     wait_for(lambda: Path(str(served.flag) + ".streaming").exists(), 120, "the generation to stream")
     result = _finish(proc, cancel=True)
     assert result["answered"] is False and "cancel" in result["error"].lower(), result
