@@ -37,6 +37,7 @@ class InferRequest:
     lane: int = 0  # that lane's rank: level - 1, or one past the lowest level once DELAYed
     future: Any = None  # completion handle owned by the model runner; opaque to schedulers
     trace: Any = None  # a sampled request's tracing.record.Trace; None (almost always): not traced
+    caller_left: Any = None  # set by a backend running it elsewhere (a model process): called when its caller leaves mid-run
 
     def expired(self, now_ns: int) -> bool:
         return self.deadline_ns is not None and now_ns >= self.deadline_ns
@@ -53,3 +54,27 @@ class Batch:
     @property
     def size(self) -> int:
         return sum(r.batch_size for r in self.requests)
+
+
+class Outputs(dict):
+    """One response's outputs (name -> array) with the parameters the model set on it: Triton's response
+    parameters (`pb_utils.InferenceResponse(..., parameters={...})`), str -> bool, int or str. A plain
+    dict everywhere else, so only the layers that rebuild a response's dict (reshape, classification,
+    requested outputs) and the doors that encode it need to know (`with_parameters_of`)."""
+
+    __slots__ = ("parameters",)
+
+    def __init__(self, arrays=(), parameters: dict[str, bool | int | str] | None = None):
+        super().__init__(arrays)
+        self.parameters = dict(parameters or {})
+
+
+def parameters_of(outputs: dict) -> dict[str, bool | int | str]:
+    """The response parameters a response's outputs carry ({} for a plain dict)."""
+    return getattr(outputs, "parameters", None) or {}
+
+
+def with_parameters_of(rebuilt: dict, original: dict) -> dict:
+    """`rebuilt` (a new dict made from `original`'s arrays) keeping `original`'s response parameters."""
+    params = parameters_of(original)
+    return Outputs(rebuilt, params) if params else rebuilt

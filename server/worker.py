@@ -13,7 +13,7 @@ from server.tensors.assembly import Assembler, assembler_for
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError
 from server.tensors.padding import PadCount
-from server.request import Batch
+from server.request import Batch, with_parameters_of
 from server.tensors.signature import Signature
 
 
@@ -159,7 +159,8 @@ class Worker:
         for request, answer in zip(batch.requests, answers):
             if not isinstance(answer, FerryError):
                 try:
-                    answer = reshape.outputs(answer, self.signature.model) if reshape else answer
+                    if reshape:
+                        answer = with_parameters_of(reshape.outputs(answer, self.signature.model), answer)
                     self._check(answer, request.requested_outputs, strict_types=False)
                 except FerryError as exc:
                     answer = exc

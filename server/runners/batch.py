@@ -108,15 +108,7 @@ class ModelRunner(RunnerBase):
         except asyncio.CancelledError:
             if self._order is None and _answered(request.future):
                 raise  # answered (and counted with its batch) just before the caller left
-            now = time.monotonic_ns()
-            queued = self.scheduler.cancel(request)
-            missed = queued and request.expired(now + _CALLER_CLOCK_LEAD_NS)
-            if queued:
-                self._wake.set()
-            if missed:
-                self.stats.record_deadline_miss()
-            self._finish(request, lambda: None)  # never blocks later answers behind a vanished caller
-            self.stats.record_done(now - request.arrival_ns, ok=False, reason="REJECTED" if missed else "CANCELED")
+            self._caller_left(request)
             raise
         except FerryError as exc:
             reason = "BACKEND" if not isinstance(exc, DeadlineExceededError) else "REJECTED"
@@ -128,6 +120,21 @@ class ModelRunner(RunnerBase):
         if self._order is not None:  # otherwise counted with its batch, when answered (_answer)
             self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
         return outputs
+
+    def _caller_left(self, request: InferRequest) -> None:
+        """The caller of an unanswered request went away (cancelled, or its deadline passed): out of the queue
+        if it is still there; if it runs in a model process, that process is told (its BLS calls are cancelled)."""
+        now = time.monotonic_ns()
+        queued = self.scheduler.cancel(request)
+        missed = queued and request.expired(now + _CALLER_CLOCK_LEAD_NS)
+        if queued:
+            self._wake.set()
+        elif request.caller_left is not None:
+            request.caller_left()
+        if missed:
+            self.stats.record_deadline_miss()
+        self._finish(request, lambda: None)  # never blocks later answers behind a vanished caller
+        self.stats.record_done(now - request.arrival_ns, ok=False, reason="REJECTED" if missed else "CANCELED")
 
     async def _loop(self) -> None:
         """Runs the turns nothing else runs (start, drain) and ends once drained; arrivals, the timer

@@ -21,7 +21,7 @@ import numpy as np
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError, ModelUnavailableError
 from server.observability.metrics import ModelStats, failure_reason
-from server.request import InferRequest
+from server.request import InferRequest, with_parameters_of
 from server.runners.base import DECOUPLED, RunnerBase
 from server.scheduling.budget import ByteBudget
 from server.tensors.signature import Signature
@@ -123,7 +123,7 @@ class DecoupledRunner(RunnerBase):
                 raise BackendError(f"model '{self.name}' sent output '{name}' as {array.dtype}; "
                                    f"the config declares {spec.datatype.config}")
             checked[name] = array
-        return checked
+        return with_parameters_of(checked, outputs)
 
     async def _loop(self) -> None:
         """Nothing to schedule: wait for the close, then for the streams still running."""

@@ -4,13 +4,17 @@ A BLS request (`pb_utils.InferenceRequest(...).exec()`) arrives on the model pro
 and runs here on the event loop, through the called model's own runner, found through the registry
 at call time as an ensemble's steps are: so it is batched with everyone else's traffic to that model,
 counted in its statistics, and held to its queue policy. The answer (or the error, as a Triton error
-code and message) goes back over the link. A decoupled model called with `exec(decoupled=True)`
-streams its responses back one by one; a batching model called that way answers once.
+code and message, with the response's parameters) goes back over the link. A decoupled model called
+with `exec(decoupled=True)` streams its responses back one by one; a batching model called that way
+answers once; a generation model's call is read as ModelStreamInfer reads Triton's vLLM tensors
+(runners/generation_tensors.py) and run by its own runner. Each call is a task whose future the model
+process holds: cancelling it (the callers of the request that made it left) cancels the call where it is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from concurrent.futures import Future
@@ -23,12 +27,14 @@ from server.observability.custom_metrics import CustomMetrics
 from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, ModelNotFoundError,
                            ModelUnavailableError, QueueFullError, UnsupportedError)
 from server.observability.metrics import ModelProcessRestarts
-from server.request import InferRequest
-from server.runners.base import DECOUPLED, INFER
+from server.request import InferRequest, parameters_of
+from server.runners import generation_tensors
+from server.runners.base import DECOUPLED, GENERATE
 from server.runners.ensemble import LateLookup
 
 log = logging.getLogger(__name__)
-Answer = Callable[..., None]  # answer(outputs=None, error=None, final=True)
+_CANCELLED = "the request that made this BLS call was cancelled"
+Answer = Callable[..., None]  # answer(outputs=None, error=None, final=True, parameters=None)
 _CODES = [(InvalidInputError, p.INVALID_ARG), (ModelNotFoundError, p.NOT_FOUND), (QueueFullError, p.UNAVAILABLE),
           (ModelUnavailableError, p.UNAVAILABLE), (UnsupportedError, p.UNSUPPORTED),
           (AlreadyExistsError, p.ALREADY_EXISTS)]
@@ -52,30 +58,34 @@ class ModelCalls:
         self.restarts, self.custom = restarts, custom
 
     def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None = None) -> Future:
-        """`deadline_ns`: the calling requests' deadline, which the call inherits (with its own timeout)."""
-        return asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns), self.loop)
+        """`deadline_ns`: the calling requests' deadline, which the call inherits (with its own timeout).
+        Cancelling the returned future (the callers of the request that made it left) cancels the call in
+        the called model's runner (a queued request never runs, a generation stops) and answers it CANCELLED."""
+        running = asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns), self.loop)
+        running.add_done_callback(lambda done: done.cancelled() and answer(None, (p.CANCELLED, _CANCELLED), True))
+        return running
 
     async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None) -> None:
         try:
             model = self.lookup(call.model, call.version)
+            if model.runner.serves == GENERATE:
+                await _generate(model, call, inputs, answer, deadline_ns)
+                return
             request = _request(model, call, inputs, deadline_ns)
             del inputs
             if model.runner.serves == DECOUPLED:
                 if not call.decoupled:
                     raise InvalidInputError(f"model '{call.model}' is decoupled: call it with exec(decoupled=True)")
                 async for outputs in model.runner.stream(request):
-                    answer(_wanted(outputs, call), None, False)
+                    answer(_wanted(outputs, call), None, False, parameters_of(outputs))
                 answer(None, None, True)
                 return
-            if model.runner.serves != INFER:
-                raise UnsupportedError(f"model '{call.model}' is a generation model; BLS calls reach batching and "
-                                       "decoupled models")
-            outputs = _wanted(await model.runner.infer(request), call)
+            outputs = await model.runner.infer(request)
             if call.decoupled:
-                answer(outputs, None, False)
+                answer(_wanted(outputs, call), None, False, parameters_of(outputs))
                 answer(None, None, True)
             else:
-                answer(outputs)
+                answer(_wanted(outputs, call), None, True, parameters_of(outputs))
         except FerryError as exc:
             answer(None, (code_of(exc), exc.message), True)
         except Exception as exc:  # the caller must hear back whatever went wrong here
@@ -101,11 +111,8 @@ class ModelCalls:
         control = self.control_.control
         if control is None:
             raise ModelUnavailableError("the server is starting")
-        if op == "load":
-            if config or files:
-                raise UnsupportedError("pb_utils.load_model with a config or files is not supported yet; load the "
-                                       "model from its folder in the repository")
-            await control.load(name, {})
+        if op == "load":  # the LoadModel RPC's own path: the same mode, upload flag and inline-file checks
+            await control.load(name, {**({"config": config} if config else {}), **files})
         else:
             await control.unload(name)
         return True
@@ -127,7 +134,24 @@ def code_of(exc: FerryError) -> int:
 
 
 def _wanted(outputs: dict[str, np.ndarray], call: p.Call) -> dict[str, np.ndarray]:
-    return {name: outputs[name] for name in call.requested if name in outputs} if call.requested else outputs
+    return {name: outputs[name] for name in call.requested if name in outputs} if call.requested else dict(outputs)
+
+
+async def _generate(model, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, inherited_ns: int | None) -> None:
+    """A call to a generation model, read as ModelStreamInfer reads Triton's vLLM tensors and run by the
+    model's own runner: `exec()` gets the whole text, `exec(decoupled=True)` one answer per piece when
+    `stream` is true (else one), then the final empty one. The finish reason rides as a response parameter."""
+    if call.requested:
+        model.signature.check_outputs(call.requested)
+    read = generation_tensors.read(call.model, inputs, call.parameters, time.monotonic_ns(), inherited_ns,
+                                   call.timeout_us)
+    async with contextlib.aclosing(generation_tensors.answers(
+            model.runner, read if call.decoupled else generation_tensors.whole(read))) as answers:
+        async for text in answers:
+            params = {"finish_reason": text.finish_reason} if text.finish_reason else None
+            answer(_wanted(text.outputs, call), None, not call.decoupled, params)
+    if call.decoupled:
+        answer(None, None, True)
 
 
 def _request(model, call: p.Call, inputs: dict[str, np.ndarray], inherited_ns: int | None) -> InferRequest:

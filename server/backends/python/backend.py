@@ -33,7 +33,7 @@ from server.backends.python.process import ModelProcess, ProcessDied
 from server.config_json import config_json
 from server.errors import (AlreadyExistsError, BackendError, ConfigError, FerryError, InvalidInputError,
                            ModelNotFoundError, ModelUnavailableError, UnsupportedError)
-from server.request import InferRequest
+from server.request import InferRequest, Outputs
 
 log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
@@ -161,7 +161,7 @@ class PythonBackend(Backend):
         process = self._alive()
         sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
         del inputs
-        return self._ask(process, sent, _deadline(requests))
+        return self._ask(process, sent, _deadline(requests), requests)
 
     def can_send(self) -> bool:
         """Whether `send_requests` may be used now: the process is up, idle and read by the loop (else the
@@ -190,7 +190,7 @@ class PythonBackend(Backend):
             else:
                 answered([self._outputs(process, reply) for reply in replies])
 
-        process.send(p.EXEC, sent, replied, _deadline(requests))
+        process.send(p.EXEC, sent, replied, _deadline(requests), requests)
 
     def send_joined(self, inputs: dict[str, np.ndarray], answered) -> None:
         """`send_requests` for Ferry's `class Model`: the batch joined, one execute; `answered(outputs or
@@ -206,10 +206,11 @@ class PythonBackend(Backend):
 
         process.send(p.EXEC, [request], replied)
 
-    def _ask(self, process: ModelProcess, sent: list[p.Request], deadline_ns: int | None = None) -> list:
+    def _ask(self, process: ModelProcess, sent: list[p.Request], deadline_ns: int | None = None,
+             callers: list[InferRequest] = ()) -> list:
         self._in_flight += 1
         try:
-            replies = process.ask(p.EXEC, sent, deadline_ns=deadline_ns)
+            replies = process.ask(p.EXEC, sent, deadline_ns=deadline_ns, callers=callers)
         except ProcessDied as exc:
             return [ModelUnavailableError(str(exc))] * len(sent)
         finally:
@@ -255,7 +256,7 @@ class PythonBackend(Backend):
         if reply.error is not None:
             code, message = reply.error
             return _ERRORS.get(code, BackendError)(message)
-        return {t.name: process.view(t) for t in reply.outputs}
+        return Outputs({t.name: process.view(t) for t in reply.outputs}, reply.parameters)
 
     def is_ready(self) -> bool:
         """Triton's is_ready(), where the model defines it; a dead process is not ready."""

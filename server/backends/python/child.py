@@ -198,11 +198,13 @@ class Host:
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
             replies = [p.Reply([], (p.INTERNAL, _message(exc)))] * len(requests)
         del built
+        self._cancelled.discard(call)
         self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
 
     def _stream(self, call: int, request: p.Request, freed: list[int]) -> None:
         self._free_ours(freed)
         self._streaming.add(call)
+        self._current = call
         built = self._request(request, call)
         try:
             self.face.run_decoupled([built], [pb.InferenceResponseSender(self, call)])

@@ -164,12 +164,27 @@ class _Capsule:
         return (1, 0)
 
 
+def _checked_parameters(parameters) -> dict:
+    """Triton's rule for the parameters model code gives a request or a response (and its words): a dict
+    of str -> bool, int or str; anything else raises, so it never reaches a client half-encoded."""
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"Expect dict, got {type(parameters)}")
+    for key, value in parameters.items():
+        if not isinstance(key, str):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(key)}")
+        if not isinstance(value, (bool, int, str)):
+            raise TritonModelException(f"Expect parameters values to have type bool/int/str, found type {type(value)}")
+    return dict(parameters)
+
+
 class InferenceResponse:
     def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
-                 parameters: dict | str | None = None):
+                 parameters: dict | None = None):
         self._outputs = list(output_tensors or [])
         self._error = error
-        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+        self._parameters = _checked_parameters(parameters)
 
     def output_tensors(self) -> list[Tensor]:
         return self._outputs
@@ -207,14 +222,15 @@ class InferenceRequest:
 
     def __init__(self, model_name: str = "", inputs: list[Tensor] | None = None,
                  requested_output_names: list[str] | None = None, request_id: str = "", correlation_id=0,
-                 flags: int = 0, timeout: int = 0, model_version: int = -1, parameters: dict | str | None = None,
+                 flags: int = 0, timeout: int = 0, model_version: int = -1, parameters: dict | None = None,
                  preferred_memory=None, trace=None, _call: int | None = None):
         self.model_name = model_name.decode() if isinstance(model_name, bytes) else str(model_name)  # a BYTES element
         self.model_version = model_version
         self._inputs = list(inputs or [])
         self._requested = list(requested_output_names or [])
         self._request_id, self._correlation_id, self._flags, self._timeout = request_id, correlation_id, flags, timeout
-        self._parameters = json.loads(parameters) if isinstance(parameters, str) else dict(parameters or {})
+        # a request given to execute carries the client's parameters as they came (a double too)
+        self._parameters = dict(parameters or {}) if _call is not None else _checked_parameters(parameters)
         self._call = _call  # set on requests handed to execute: which call of the server they belong to
 
     def inputs(self) -> list[Tensor]:
@@ -280,7 +296,14 @@ def using_decoupled_model_transaction_policy(model_config: dict) -> bool:
 
 
 def load_model(model_name: str, config: str = "", files: dict | None = None) -> None:
-    _the_host().control("load", model_name, "", config, files or {})
+    """Triton's: `config` a JSON model config that replaces the folder's; `files` {"file:<path>": bytes}, the
+    model folder sent inline (needs `config`). The server checks them as it checks a LoadModel RPC's."""
+    if not isinstance(config, str):
+        raise TritonModelException(f"load_model: config must be the model config as a JSON string, got {type(config)}")
+    if not isinstance(files or {}, dict):
+        raise TritonModelException(f"load_model: files must be a dict of 'file:<path>' -> bytes, got {type(files)}")
+    sent = {key: bytes(value) if isinstance(value, (bytearray, memoryview)) else value for key, value in (files or {}).items()}
+    _the_host().control("load", model_name, "", config, sent)
 
 
 def unload_model(model_name: str, unload_dependents: bool = False) -> None:

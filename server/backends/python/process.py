@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from concurrent.futures import Future
 from typing import Callable, Protocol
 
 import numpy as np
@@ -40,7 +41,7 @@ _LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging
 class Calls(Protocol):
     """What a model process asks of the server (server/runners/model_calls.py answers)."""
 
-    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Callable, deadline_ns: int | None) -> None: ...
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Callable, deadline_ns: int | None) -> Future: ...
     def control(self, op: str, name: str, version: str, config: str, files: dict, answer: Callable) -> None: ...
     def metric(self, model: str, version: int, update: tuple) -> None: ...
     def restarted(self, model: str, version: int) -> None: ...
@@ -61,6 +62,7 @@ class ModelProcess:
         self.death: str | None = None  # why the process ended, once it has
         self._checks: dict[int, queue.Queue] = {}  # is_ready() calls waiting for their answer
         self._deadlines: dict[int, int] = {}  # EXEC call -> its requests' deadline, which its BLS calls inherit
+        self._made: dict[int, _Made] = {}  # EXEC or STREAM call -> its callers and the BLS calls it made
         self.proc: subprocess.Popen | None = None
         self.link: FrameSocket | None = None
         self.arena: Arena | None = None
@@ -100,12 +102,14 @@ class ModelProcess:
             log.warning("model '%s': no shared memory arena (%s); its tensors travel inline", self.model, exc)
             return None
 
-    def ask(self, frame_kind: str, *body, deadline_ns: int | None = None) -> tuple:
-        """Send a frame that is answered once (INIT, AUTO, EXEC) and wait for the answer."""
+    def ask(self, frame_kind: str, *body, deadline_ns: int | None = None, callers: list = ()) -> tuple:
+        """Send a frame that is answered once (INIT, AUTO, EXEC) and wait for the answer. `callers`: an
+        EXEC's requests (InferRequests), followed as `follow` says."""
         call = next(self._ids) if frame_kind == p.EXEC else 0  # INIT and AUTO: one at a time, at start
         answers = self._wait_on(call)
         if deadline_ns is not None:
             self._deadlines[call] = deadline_ns
+        self.follow(call, callers)
         try:
             if frame_kind == p.EXEC:
                 self._send((frame_kind, call, *body, self._take_freed()))
@@ -115,11 +119,12 @@ class ModelProcess:
         finally:
             self._waiting.pop(call, None)
             self._deadlines.pop(call, None)
+            self._made.pop(call, None)
         if isinstance(answer, ProcessDied):
             raise answer
         return answer
 
-    def send(self, frame_kind: str, body, replied: Callable, deadline_ns: int | None = None) -> None:
+    def send(self, frame_kind: str, body, replied: Callable, deadline_ns: int | None = None, callers: list = ()) -> None:
         """Send an EXEC and return; `replied(answer or ProcessDied)` runs on the reader thread."""
         call = next(self._ids)
         if self.death is not None:
@@ -127,7 +132,8 @@ class ModelProcess:
             return
         if deadline_ns is not None:
             self._deadlines[call] = deadline_ns
-        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines)
+        self.follow(call, callers)
+        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines, self._made)
         if self.death is not None:  # it died between the check and the entry: the reader may have passed it
             reply.put(ProcessDied(self.death))
             return
@@ -137,6 +143,7 @@ class ModelProcess:
         """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id."""
         call = next(self._ids)
         answers = self._wait_on(call)
+        self._made[call] = _Made(1)
         self._send((p.STREAM, call, request, self._take_freed()))
         return call, self._answers(call, answers)
 
@@ -153,6 +160,7 @@ class ModelProcess:
                     return
         finally:
             self._waiting.pop(call, None)
+            self._made.pop(call, None)
 
     def is_ready(self, timeout_s: float) -> bool:
         """The model's is_ready(), answered within `timeout_s` or taken as "not ready" (Triton's 5 s)."""
@@ -167,12 +175,49 @@ class ModelProcess:
             self._checks.pop(ref, None)
 
     def cancel(self, call: int) -> None:
-        """The stream's caller went away: tell the model (is_cancelled()), and stop waiting for it, so a
-        model that never sends its final response does not hold the instance's thread."""
+        """The stream's caller went away: tell the model (is_cancelled()), cancel the BLS calls it made, and
+        stop waiting for it, so a model that never sends its final response does not hold the instance's thread."""
         target = self._waiting.get(call)
         if target is not None:
-            self._send((p.CANCEL, call))
+            self._cancel_made(call)
             target.put(_STOPPED)
+
+    def follow(self, call: int, callers: list) -> None:
+        """Give each of an EXEC's requests a `caller_left` function (its runner calls it when the caller
+        leaves while the request runs here): once every caller of the call has left, the model sees
+        is_cancelled(), and the BLS calls it made are cancelled (a queued one never runs, a generation stops)."""
+        if not callers:
+            return
+        made = self._made[call] = _Made(len(callers))
+
+        def left() -> None:
+            made.callers -= 1
+            if made.callers == 0 and self._made.get(call) is made:
+                self._cancel_made(call)
+
+        for request in callers:
+            request.caller_left = left
+
+    def _cancel_made(self, call: int) -> None:
+        """On the event loop: the call's callers are all gone."""
+        made = self._made.get(call)
+        if made is None or made.cancelled:
+            return
+        made.cancelled = True
+        self._send((p.CANCEL, call))
+        for future in list(made.calls):
+            future.cancel()
+
+    def _made_by(self, call: int, future) -> None:
+        """A BLS call (a concurrent Future of the server's task running it) made for `call`."""
+        made = self._made.get(call)
+        if made is None:
+            return
+        if made.cancelled:  # made after its callers left: it never runs
+            future.cancel()
+            return
+        made.calls.add(future)
+        future.add_done_callback(made.calls.discard)
 
     def _wait_on(self, call: int) -> queue.Queue:
         if self.death is not None:
@@ -290,7 +335,8 @@ class ModelProcess:
             answer(None, (p.UNAVAILABLE, "the server cannot take calls from this model yet"))
         elif kind == p.CALL:
             call: p.Call = frame[2]
-            calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]))
+            made = calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]))
+            self._made_by(frame[3], made)
         elif kind == p.CONTROL:
             calls.control(*frame[2:], answer)
 
@@ -332,15 +378,25 @@ class ModelProcess:
             self.arena.unlink()
 
 
+class _Made:
+    """What an EXEC or STREAM call's callers leaving cancels: the BLS calls it made."""
+
+    __slots__ = ("callers", "calls", "cancelled")
+
+    def __init__(self, callers: int):
+        self.callers, self.calls, self.cancelled = callers, set(), False
+
+
 class _Reply:
     """Where a sent call's one answer goes: a function, called on the reader thread (queue-like `put`)."""
 
-    def __init__(self, call: int, waiting: dict, replied: Callable, deadlines: dict):
-        self.call, self.waiting, self.replied, self.deadlines = call, waiting, replied, deadlines
+    def __init__(self, call: int, waiting: dict, replied: Callable, deadlines: dict, made: dict):
+        self.call, self.waiting, self.replied, self.deadlines, self.made = call, waiting, replied, deadlines, made
 
     def put(self, answer) -> None:
         if self.waiting.pop(self.call, None) is not None:
             self.deadlines.pop(self.call, None)
+            self.made.pop(self.call, None)
             self.replied(answer)
 
 

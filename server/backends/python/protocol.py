@@ -13,7 +13,8 @@ Server -> model process:
   AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
   EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply], freed)
   STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply, final) 0..N times
-  CANCEL(call)                           the caller went away (is_cancelled() turns true)
+  CANCEL(call)                           the callers of an EXEC or STREAM went away (is_cancelled() turns true;
+                                         the server cancels the BLS calls it made, answered CALLED CANCELLED)
   CALLED(ref, Reply | None, final)       an answer to a BLS call or a model-control call
   FREE([offsets])                        blocks of the model process's half the server is done with
   FINALIZE()                             finalize() and exit

@@ -19,6 +19,7 @@ from server.tensors import shared_memory
 from server.tensors import wire as tensors
 from server.errors import InvalidInputError
 from server.names import shown
+from server.request import parameters_of
 from server.tensors.wire import to_raw
 
 # Typed-contents field for each API datatype (FP16 and BF16 have none: raw only).
@@ -110,6 +111,16 @@ def decode_parameters(params) -> dict[str, Any]:
     return out
 
 
+def set_parameter(param: pb.InferParameter, value: bool | int | str) -> None:
+    """An InferParameter from a response parameter's value (bool before int: a bool is an int)."""
+    if isinstance(value, bool):
+        param.bool_param = value
+    elif isinstance(value, int):
+        param.int64_param = value
+    else:
+        param.string_param = str(value)
+
+
 def encode_response(
     request: pb.ModelInferRequest, version: int, outputs: dict[str, np.ndarray], order: tuple[str, ...],
     shared: dict | None = None,
@@ -120,6 +131,8 @@ def encode_response(
     there and answered, as Triton does, with their metadata and the region's parameters; their
     raw_output_contents entry stays empty so the others keep their positions (tritonclient reads by index)."""
     response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+    for key, value in parameters_of(outputs).items():  # the model's response parameters (Triton's Python API)
+        set_parameter(response.parameters[key], value)
     for name in order:
         array = outputs[name]
         tensor = response.outputs.add(name=name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)

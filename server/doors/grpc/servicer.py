@@ -16,7 +16,7 @@ from server.doors.model_control import ModelControl
 from server.observability.metrics import INFER_DURATIONS
 from server.names import parse_version
 from server.repository.registry import READY, ModelVersion, Registry
-from server.request import InferRequest
+from server.request import InferRequest, with_parameters_of
 from server.doors.grpc import codec
 from server.doors.grpc import shared_memory as shm_rpc
 from server.doors.grpc.errors import translate_errors
@@ -220,10 +220,10 @@ def class_counts(wanted, signature) -> dict[str, int]:
 
 def classified(outputs: dict, counts: dict[str, int], signature) -> dict:
     """Outputs asked for with the `classification` parameter, replaced by their top-k classes."""
+    classes = dict(outputs)
     for name, k in counts.items():
-        outputs = {**outputs, name: classification.classify(
-            name, outputs[name], k, signature.labels.get(name, ()), signature.batching)}
-    return outputs
+        classes[name] = classification.classify(name, outputs[name], k, signature.labels.get(name, ()), signature.batching)
+    return with_parameters_of(classes, outputs)
 
 
 def _setting(key: str, value: pb.LogSettingsRequest.SettingValue) -> bool | int | str:

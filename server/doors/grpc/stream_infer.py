@@ -2,7 +2,7 @@
 
 Requests to ordinary models are answered exactly once each, in the order they arrived on the stream
 (while they run concurrently, so they still batch). Requests to generation models (decoupled) are
-read with Triton's vLLM tensor conventions (vllm_tensors.py) and answered as their tokens come; each
+read with Triton's vLLM tensor conventions (runners/generation_tensors.py) and answered as their tokens come; each
 response carries `triton_final_response`. Decoupled python models answer 0..N times as the model
 yields, each with `triton_final_response: false`; as in Triton, the end is marked by an empty final
 response when the request asks for one (`triton_enable_empty_final_response`, tritonclient's
@@ -23,6 +23,7 @@ from server.repository.registry import ModelVersion, Registry
 from server.doors.grpc import vllm_tensors
 from server.doors.shared import serving
 from server.doors.grpc.passthrough import Undecodable
+from server.runners import generation_tensors
 from server.runners.base import DECOUPLED, GENERATE
 
 InferOne = Callable[[pb.ModelInferRequest, int], Awaitable[pb.ModelInferResponse]]
@@ -110,19 +111,6 @@ async def _generate(registry: Registry, request: pb.ModelInferRequest, arrival: 
                     deadline_ns: int | None) -> AsyncIterator[tuple[pb.ModelInferResponse, bool]]:
     mv: ModelVersion = serving(registry, request.model_name, request.model_version, GENERATE)
     read = vllm_tensors.read_request(request, arrival, deadline_ns)
-    decoded = mv.runner.decode(read.given)
-    pieces = [] if read.exclude_input else [decoded.prompt_text]
-    logprobs = [] if decoded.sampling.logprobs is not None else None
-    async with contextlib.aclosing(mv.runner.generate(decoded)) as events:
-        async for event in events:
-            final = event.finish_reason is not None
-            if read.streaming:
-                yield vllm_tensors.text_response(request, mv.version, event.text, event.finish_reason,
-                                                 None if logprobs is None else event.logprobs or []), final
-            else:
-                pieces.append(event.text)
-                if logprobs is not None:
-                    logprobs.extend(event.logprobs or [])
-                if final:
-                    yield vllm_tensors.text_response(request, mv.version, "".join(pieces), event.finish_reason,
-                                                     logprobs), True
+    async with contextlib.aclosing(generation_tensors.answers(mv.runner, read)) as answers:
+        async for answer in answers:
+            yield vllm_tensors.text_response(request, mv.version, answer), answer.final

@@ -25,6 +25,7 @@ from server.tensors import wire as tensors
 from server.errors import InvalidInputError
 from server.tensors.shared_memory import Placement, SharedMemoryRegistry, placement, write_output
 from server.names import capped, shown
+from server.request import parameters_of
 
 # Which numpy kinds a JSON list may parse into, per target kind: ints never from floats, bools only from bools.
 _ACCEPTED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
@@ -206,6 +207,8 @@ def encode_infer(decoded: DecodedInfer, model: str, version: int, outputs: dict[
     head = {"model_name": model, "model_version": str(version), "outputs": described}
     if decoded.id:
         head["id"] = decoded.id
+    if parameters_of(outputs):  # the model's response parameters (Triton's Python API)
+        head["parameters"] = parameters_of(outputs)
     header = json.dumps(head, separators=(",", ":")).encode()
     if not chunks:
         return header, None

@@ -26,6 +26,7 @@ from server.ipc import tensors as ipc_tensors
 from server.ipc.frames import FrameLink
 from server.names import capped
 from server.repository.registry import Registry
+from server.request import parameters_of
 from server.doors.grpc.errors import status_of
 from server.doors.grpc.servicer import class_counts, classified
 from server.runners.base import INFER
@@ -130,8 +131,8 @@ class _Link:
 
     async def _infer(self, call: m.InferCall) -> None:
         try:
-            version, outputs = await self._run(call)
-            self.frames.send((m.DONE, call.rid, version, [self._answer(n, a) for n, a in outputs]))
+            version, outputs, params = await self._run(call)
+            self.frames.send((m.DONE, call.rid, version, [self._answer(n, a) for n, a in outputs], params))
         except asyncio.CancelledError:
             return  # the caller cancelled or went away: no answer is read
         except _Refused as exc:
@@ -144,7 +145,7 @@ class _Link:
         finally:
             self.tasks.pop(call.rid, None)
 
-    async def _run(self, call: m.InferCall) -> tuple[int, list[tuple[str, np.ndarray]]]:
+    async def _run(self, call: m.InferCall) -> tuple[int, list[tuple[str, np.ndarray]], dict]:
         """rpc/servicer.py's `_infer` from `serving` on, for a call the front end decoded."""
         if self.door.drain.closed:  # the front end's own gate refuses first; this covers a call already on its way
             self.door.drain.refuse()
@@ -166,7 +167,7 @@ class _Link:
         outputs = await mv.runner.infer(infer)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
         outputs = classified(outputs, counts, mv.signature)
-        return mv.version, [(name, outputs[name]) for name in names]
+        return mv.version, [(name, outputs[name]) for name in names], parameters_of(outputs)
 
     def _inputs(self, sent: list[m.Tensor]) -> dict[str, np.ndarray]:
         inputs = {}

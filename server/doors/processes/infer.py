@@ -130,7 +130,7 @@ class FrontInfer:
             raise
         if reply[0] == m.ERROR:
             await context.abort(grpc.StatusCode[reply[2]], reply[3])
-        return self._response(request, reply[2], reply[3])
+        return self._response(request, reply[2], reply[3], reply[4])
 
     def _call(self, rid: int, request: pb.ModelInferRequest, arrival: int, remaining: float | None) -> m.InferCall:
         inputs, params, input_error, sent = {}, {}, None, []
@@ -159,8 +159,11 @@ class FrontInfer:
         data = tensors.to_raw(array) if array.dtype == object else array
         return self.link.place(tensor.name, tensor.datatype, tuple(array.shape), data)
 
-    def _response(self, request: pb.ModelInferRequest, version: int, outputs: list[m.Tensor]) -> pb.ModelInferResponse:
+    def _response(self, request: pb.ModelInferRequest, version: int, outputs: list[m.Tensor],
+                  params: dict) -> pb.ModelInferResponse:
         response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+        for key, value in params.items():  # the model's response parameters (Triton's Python API)
+            codec.set_parameter(response.parameters[key], value)
         view = self.link.arena.view if self.link.arena is not None else None
         for t in outputs:
             response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 from server.ipc.tensors import Tensor
 
 # Frame kinds. Front end -> engine: HELLO(index, pid), INFER(InferCall), CANCEL(rid), FREE(offsets in the
-# answer half). Engine -> front end: DONE(rid, version, [Tensor]), ERROR(rid, status name, message),
+# answer half). Engine -> front end: DONE(rid, version, [Tensor], response parameters), ERROR(rid, status name, message),
 # FREE(offsets in the request half whose last numpy view is gone), STOP(grace_s: drain is over, stop serving).
 HELLO, INFER, CANCEL, FREE, DONE, ERROR, STOP = "hello", "infer", "cancel", "free", "done", "error", "stop"
 
