@@ -160,7 +160,7 @@ class _Link:
                 self.frames.send((m.DONE, call.rid, version, answers))
             else:  # the front end marks the send and tells (SENT)
                 self.sending[call.rid] = trace
-                self.frames.send((m.DONE, call.rid, version, answers, True))
+                self.frames.send((m.TRACED, call.rid, version, answers))
                 trace = None
         except asyncio.CancelledError:
             return  # the caller cancelled or went away: no answer is read

@@ -84,9 +84,9 @@ class EngineLink:
         future = self.pending.pop(frame[1], None)
         if future is not None and not future.done():
             future.set_result(frame)
-        elif kind == m.DONE:  # its caller left meanwhile: the blocks still go back
+        elif kind == m.DONE or kind == m.TRACED:  # its caller left meanwhile: the blocks still go back
             self.release(frame[3])
-            if len(frame) > 4:  # traced: its trace ends without a send
+            if kind == m.TRACED:  # its trace ends without a send
                 self.frames.send((m.SENT, frame[1], None, None))
 
     def traced(self, rid: int, context) -> None:
@@ -143,7 +143,7 @@ class FrontInfer:
         if reply[0] == m.ERROR:
             await context.abort(grpc.StatusCode[reply[2]], reply[3])
         response = self._response(request, reply[2], reply[3])
-        if len(reply) > 4:
+        if reply[0] == m.TRACED:
             self.link.traced(rid, context)
         return response
 

@@ -13,11 +13,11 @@ from server.ipc.tensors import Tensor
 
 # Frame kinds. Front end -> engine: HELLO(index, pid), INFER(InferCall), CANCEL(rid), FREE(offsets in the
 # answer half), SENT(rid, send start ns, send end ns: a traced answer's send). Engine -> front end:
-# DONE(rid, version, [Tensor][, True: traced, SENT wanted]), ERROR(rid, status name, message), FREE(offsets in
-# the request half whose last numpy view is gone), STOP(grace_s: drain is over, stop serving), TRACING(on:
-# whether any request may be traced; tracing/hop.py).
+# DONE(rid, version, [Tensor]), TRACED (DONE's layout, for a call the engine traces: the front end answers
+# SENT), ERROR(rid, status name, message), FREE(offsets in the request half whose last numpy view is gone),
+# STOP(grace_s: drain is over, stop serving), TRACING(on: whether any call may be traced; tracing/hop.py).
 HELLO, INFER, CANCEL, FREE, DONE, ERROR, STOP = "hello", "infer", "cancel", "free", "done", "error", "stop"
-TRACING, SENT = "tracing", "sent"
+TRACED, TRACING, SENT = "traced", "tracing", "sent"
 
 
 class InferCall(NamedTuple):

@@ -9,7 +9,7 @@ on the machine:
 
 - the arrival travels in the call (InferCall.arrival_ns): GRPC_WAITREAD_START/END;
 - the engine samples the call and marks REQUEST_START .. REQUEST_END as for a call of its own; a traced
-  answer says so (DONE's fifth element), and the engine keeps the trace open;
+  answer says so (a TRACED frame in place of DONE), and the engine keeps the trace open;
 - the front end marks GRPC_SEND_START when it hands the answer to gRPC and GRPC_SEND_END when the call
   is over, and sends both (SENT); the engine adds them and ends the trace. A link that is lost ends the
   traces still waiting with what they have.
