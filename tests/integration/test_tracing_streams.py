@@ -5,21 +5,23 @@ infers, a decoupled model's requests (with and without the empty final response)
 requests (streamed and whole); over HTTP, OpenAI chat (streamed) and completions (n=2). Once the
 server has stopped cleanly, the file is parsed as test_tracing.py parses it: Triton's layout, each
 request a trace of its own with Triton's names in order, one INFER_RESPONSE_COMPLETE per decoupled
-response, one GRPC_SEND_START/END per response written, FIRST_TOKEN and per-token timestamps.
+response, one GRPC_SEND_START/END per response written, FIRST_TOKEN and per-token timestamps. A stream its client cancels while a traced
+request is held (a gated model, opened by the test) still ends that request's trace.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from protos import grpc_service_pb2 as pb
-from tests import kserve
-from tests.conftest import RunningServer, link_shipped_models
+from tests import builders, kserve
+from tests.conftest import RunningServer, link_shipped_models, wait_for
 from tests.integration.test_tracing import GRPC_ORDER, HTTP_ORDER, assert_ordered, named, read_traces
 
 openai = pytest.importorskip("openai", reason="the openai package is part of the test extra")
@@ -50,10 +52,39 @@ def stamps(trace: dict, name: str) -> list[int]:
     return [ns for n, ns in trace["stamps"] if n == name]
 
 
+def written(path: Path) -> dict:
+    """The traces in the file now (it is a complete JSON array after every write; {} before the first)."""
+    try:
+        return read_traces(path)
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def cancel_a_stream_while_its_request_is_held(server, gate: Path, path: Path) -> dict:
+    """A traced request held in the gated model; its client cancels the stream: the trace must still end."""
+    keep_open = threading.Event()
+
+    def requests():
+        yield kserve.request("gated", {"X": np.full((1, 2), -1.0, np.float32)}, request_id="s-held")
+        keep_open.wait(60)
+
+    call = kserve.stub(server.channel).ModelStreamInfer(requests(), timeout=120)
+    try:
+        wait_for(gate.with_name(gate.name + ".running").exists, what="the request to hold the gated model")
+        call.cancel()
+        wait_for(lambda: named(written(path), "s-held"), what="the cancelled request's trace to be written")
+    finally:
+        keep_open.set()
+        gate.touch()
+    return written(path)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     repo = tmp_path_factory.mktemp("repo")
     link_shipped_models(repo, "simple", "repeat_int32")
+    gate = repo / "gate"
+    builders.gated_model(repo, "gated", gate=gate)
     shutil.copytree(ROOT / "model_repository" / "tiny_llama", repo / "tiny_llama")
     (repo / "tiny_llama" / "1" / "tokenizer_config.json").write_text(json.dumps(
         {"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}))
@@ -78,6 +109,7 @@ def run(tmp_path_factory) -> dict:
         seen["chat"] = chunks
         seen["completion"] = client.completions.create(model="tiny_llama", prompt="A ferry leaves", max_tokens=GEN_TOKENS,
                                                        n=2, seed=3, extra_body={"ignore_eos": True})
+        seen["held"] = named(cancel_a_stream_while_its_request_is_held(server, gate, path), "s-held")
     finally:
         assert server.stop() == 0
     seen["traces"] = read_traces(path)
@@ -144,3 +176,11 @@ def test_openai_completions_with_two_choices_is_one_trace_ending_after_both(run)
     assert names.count("INFER_RESPONSE_COMPLETE") >= 2 and names.count("REQUEST_END") == 1
     assert stamps(trace, "REQUEST_END")[0] >= max(stamps(trace, "INFER_RESPONSE_COMPLETE"))
     assert_ordered(trace, [n for n in HTTP_ORDER if not n.startswith("COMPUTE_") and n != "INFER_RESPONSE_COMPLETE"])
+
+
+def test_a_stream_cancelled_while_its_request_runs_still_ends_that_trace(run):
+    [held] = run["held"]
+    assert held["header"]["model_name"] == "gated"
+    assert_ordered(held, ["GRPC_WAITREAD_START", "GRPC_WAITREAD_END", "REQUEST_START", "QUEUE_START"])
+    assert not any(n.startswith("GRPC_SEND") for n, _ in held["stamps"])  # never answered
+    assert named(run["traces"], "s-held") == run["held"]  # written once

@@ -58,22 +58,27 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
             out.put_nowait(None)  # however reading ended, the response side must too
 
     reader = asyncio.create_task(read())
+    writing = None  # a traced answer being written
     try:
         while (item := await out.get()) is not None:
             if item.__class__ is not traced.Sending:
                 yield item
                 continue
             if item.response is not None:
+                writing = item
                 item.writing()
                 yield item.response
                 item.written()
+                writing = None
             item.done()
     finally:
         reader.cancel()
         for task in list(tasks):
             task.cancel()
-        while not out.empty():  # traced answers never written: their traces end with what they have
-            item = out.get_nowait()
+        left = [writing] if writing is not None else []
+        while not out.empty():
+            left.append(out.get_nowait())
+        for item in left:  # traced answers never written: their traces end with what they have
             if item.__class__ is traced.Sending:
                 traced.abandoned(item.trace)
 
@@ -109,7 +114,11 @@ async def _serve(registry, request, answer, out, previous, turn, deadline_ns, tr
         traced.abandoned(trace)
         raise
     if previous is not None:
-        await previous
+        try:
+            await previous
+        except BaseException:  # cancelled while waiting its turn: the stream is over
+            traced.abandoned(trace)
+            raise
     _put(out, response, trace, True)
     if not turn.done():
         turn.set_result(None)
