@@ -3,12 +3,14 @@
 The engine samples and writes; the front ends' timestamps come over the arena link (tracing/hop.py).
 One server writes a trace file while calls arrive on many connections (the kernel spreads them over
 both front ends), tracing is turned off and on again through tritonclient (the front ends are told),
-and a count shards the file as Triton does. A second server exports OpenTelemetry spans: a client's
-traceparent crosses the process hop and parents the span.
+and a count shards the file as Triton does. A second server, started with tracing off, exports
+OpenTelemetry spans once it is turned on: a client's traceparent crosses the process hop and parents
+the span.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import grpc
@@ -83,12 +85,13 @@ def test_turning_tracing_off_and_a_count_reach_the_front_ends_calls(file_run):
 
 @pytest.fixture(scope="module")
 def otel(tmp_path_factory):
+    """Started with tracing off, so a front end learns that it is on only from a TRACING frame."""
     repo = tmp_path_factory.mktemp("repo")
     link_shipped_models(repo, "simple")
     collector = Collector()
     server = RunningServer(repo, *FRONTENDS, "--trace-config", "mode=opentelemetry", "--trace-config",
                            f"opentelemetry,url={collector.url}", "--trace-config", "opentelemetry,bsp_schedule_delay=50",
-                           "--trace-config", "level=TIMESTAMPS", "--trace-config", "rate=1")
+                           "--trace-config", "level=OFF", "--trace-config", "rate=1", "--allow-trace-settings")
     server.collector = collector
     yield server
     server.stop()
@@ -96,15 +99,24 @@ def otel(tmp_path_factory):
 
 
 def test_a_clients_traceparent_crosses_the_process_hop(otel):
-    for i in range(4):
-        infer_on_new_connection(otel, f"fe-otel-{i}", metadata=(("traceparent", f"00-{TRACE_ID}-{PARENT}-01"),))
-    collector = otel.collector
-    wait_for(lambda: all(request_span(collector, f"fe-otel-{i}") for i in range(4)), what="the requests' spans")
-    for i in range(4):
-        span = request_span(collector, f"fe-otel-{i}")
-        assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == PARENT
-        assert attributes(span.attributes)["model_name"] == "simple"
-        assert {"GRPC_WAITREAD_START", "QUEUE_START", "GRPC_SEND_START", "GRPC_SEND_END"} <= {e.name for e in span.events}
-        assert len(span.links) == 1
-    wait_for(lambda: {"queue", "compute", "send"} <= set(children(collector, request_span(collector, "fe-otel-0"))),
-             what="the child spans")
+    collector, probes = otel.collector, itertools.count()
+    metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT}-01"),)
+    infer_on_new_connection(otel, "fe-otel-off", metadata)  # off: forwarded or not, nothing is traced
+    httpclient.InferenceServerClient(otel.http_address).update_trace_settings(settings={"trace_level": ["TIMESTAMPS"]})
+
+    def parented() -> bool:
+        """One call on a new connection (either front end); its span is the client's child once the front
+        end that served it has been told tracing is on (the frame is on its way when the update returns)."""
+        request_id = f"fe-otel-{next(probes)}"
+        infer_on_new_connection(otel, request_id, metadata)
+        wait_for(lambda: request_span(collector, request_id) is not None, what=f"the span of {request_id}")
+        return request_span(collector, request_id).parent_span_id.hex() == PARENT
+
+    for _ in range(CONNECTIONS):
+        wait_for(parented, what="a front end to forward the client's traceparent")
+    assert request_span(collector, "fe-otel-off") is None
+    span = request_span(collector, f"fe-otel-{next(probes) - 1}")
+    assert span.trace_id.hex() == TRACE_ID and attributes(span.attributes)["model_name"] == "simple"
+    assert {"GRPC_WAITREAD_START", "QUEUE_START", "GRPC_SEND_START", "GRPC_SEND_END"} <= {e.name for e in span.events}
+    assert len(span.links) == 1
+    wait_for(lambda: {"queue", "compute", "send"} <= set(children(collector, span)), what="the child spans")
