@@ -89,13 +89,13 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     # system shared memory regions clients register (only with --allow-shared-memory); released at shutdown
     regions = SharedMemoryRegistry(allow_register=config.allow_shared_memory)
     stop = asyncio.Event()
+    tracing = trace_control(config, prom)
     group, rpc_options = None, config.rpc
     if config.frontend_processes > 1:
         group = FrontendGroup(config.frontend_processes, config.rpc, grpc_access, config.drain_grace_s,
-                              config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set)
+                              config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set, tracing)
         rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
     logs = LogControl(allow_updates=config.allow_log_settings)  # LogSettings and /v2/logging (--allow-log-settings)
-    tracing = trace_control(config, prom)
     rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name, control,
                                                                       regions, tracing)),
                                   generation_service(GenerationServicer(registry, tracing))], interceptors)

@@ -21,6 +21,7 @@ import numpy as np
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError, ModelUnavailableError
 from server.observability.metrics import ModelStats, failure_reason
+from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
 from server.request import InferRequest, with_parameters_of
 from server.runners.base import DECOUPLED, RunnerBase
 from server.scheduling.budget import ByteBudget
@@ -52,11 +53,20 @@ class DecoupledRunner(RunnerBase):
         self._take_bytes(request.nbytes, request.arrival_ns)
         self._streams += 1
         failure = ""
+        trace = request.trace  # a sampled request's (tracing/record.py): each response is a timestamp
+        if trace is not None:
+            trace.mark(QUEUE_START)
         try:
             instance = await self._idle.get()
             self.stats.record_queued(time.monotonic_ns() - request.arrival_ns)
+            if trace is not None:
+                trace.mark(COMPUTE_START)
             async for outputs in self._run(instance, request):
+                if trace is not None:
+                    trace.mark(INFER_RESPONSE_COMPLETE)
                 yield outputs
+            if trace is not None:
+                trace.mark(COMPUTE_END)
         except BaseException as exc:  # a caller that leaves closes the stream: GeneratorExit or CancelledError
             failure = "BACKEND" if isinstance(exc, FerryError) else failure_reason(exc)  # the model's own errors
             raise

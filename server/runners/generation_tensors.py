@@ -68,13 +68,17 @@ def whole(request: TensorGeneration) -> TensorGeneration:
     return dataclasses.replace(request, streaming=False)
 
 
-async def answers(runner, request: TensorGeneration) -> AsyncIterator[TextAnswer]:
-    """The runner's events as text tensors: one per piece when streaming, else one with the whole text."""
+async def answers(runner, request: TensorGeneration, observe=None) -> AsyncIterator[TextAnswer]:
+    """The runner's events as text tensors: one per piece when streaming, else one with the whole text.
+    `observe(decoded)`, when given, returns what sees every event (a trace's)."""
     decoded = runner.decode(request.given)
+    seen = observe(decoded) if observe is not None else None
     pieces = [] if request.exclude_input else [decoded.prompt_text]
     logprobs = [] if decoded.sampling.logprobs is not None else None
     async with contextlib.aclosing(runner.generate(decoded)) as events:
         async for event in events:
+            if seen is not None:
+                seen(event)
             final = event.finish_reason is not None
             if request.streaming:
                 yield TextAnswer(text_outputs(event.text, None if logprobs is None else event.logprobs or []),

@@ -4,7 +4,8 @@ The collector is a small HTTP endpoint that decodes each ExportTraceServiceReque
 opentelemetry-proto. Checked: a client's W3C traceparent (HTTP header, gRPC metadata) parents the
 request's span; the request span has queue / compute / send children and links to its batch's span;
 requests that rode one batch link to the same batch span; a generation span carries the GenAI
-attributes; once the collector is gone, requests still succeed and the lost spans are counted.
+attributes, an OpenAI completion's too (under the client's traceparent header); each request on a
+ModelStreamInfer stream is a span under the stream's traceparent; once the collector is gone, requests still succeed and the lost spans are counted.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ httpclient = pytest.importorskip("tritonclient.http")
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 HTTP_PARENT, GRPC_PARENT = "00f067aa0ba902b7", "a3ce929d0e0e4736"
+OPENAI_PARENT, STREAM_PARENT = "b7ad6b7169203331", "0af7651916cd43dd"
 
 
 class Collector:
@@ -175,6 +177,40 @@ def test_generation_span_carries_genai_attributes(otel):
     assert found["gen_ai.usage.input_tokens"] == responses[-1].usage.prompt_tokens > 0
     assert found["gen_ai.latency.time_to_first_token"] >= 0 and found["gen_ai.latency.time_in_queue"] >= 0
     assert found["gen_ai.response.finish_reasons"] == ["length"]
+
+
+def test_openai_completion_span_has_genai_attributes_under_the_clients_traceparent(otel):
+    openai = pytest.importorskip("openai", reason="the openai package is part of the test extra")
+    client = openai.OpenAI(base_url=otel.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    completion = client.completions.create(model="tiny_llama", prompt="A ferry", max_tokens=4,
+                                           extra_body={"ignore_eos": True},
+                                           extra_headers={"traceparent": f"00-{TRACE_ID}-{OPENAI_PARENT}-01"})
+    wait_for(lambda: request_span(otel.collector, completion.id) is not None, what="the OpenAI request's span")
+    span = request_span(otel.collector, completion.id)
+    assert span.name == "text_completion tiny_llama"
+    assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == OPENAI_PARENT
+    found = attributes(span.attributes)
+    assert found["gen_ai.request.model"] == "tiny_llama" and found["gen_ai.operation.name"] == "text_completion"
+    assert found["gen_ai.usage.input_tokens"] == completion.usage.prompt_tokens > 0
+    assert found["gen_ai.usage.output_tokens"] == completion.usage.completion_tokens == 4
+    assert found["gen_ai.latency.time_to_first_token"] >= 0 and found["gen_ai.latency.time_in_queue"] >= 0
+    assert {"HTTP_RECV_START", "FIRST_TOKEN", "REQUEST_END", "HTTP_SEND_END"} <= {e.name for e in span.events}
+    wait_for(lambda: {"receive", "send"} <= set(children(otel.collector, span)), what="receive and send spans")
+
+
+def test_each_request_on_a_stream_is_a_span_under_the_streams_traceparent(otel):
+    requests = [kserve.request("gated", {"X": np.full((1, 2), 2.0, np.float32)}, request_id=f"otel-stream-{i}")
+                for i in range(2)]
+    metadata = (("traceparent", f"00-{TRACE_ID}-{STREAM_PARENT}-01"),)
+    responses = list(kserve.stub(otel.channel).ModelStreamInfer(iter(requests), timeout=60, metadata=metadata))
+    assert [r.infer_response.id for r in responses] == ["otel-stream-0", "otel-stream-1"]
+    collector = otel.collector
+    wait_for(lambda: all(request_span(collector, f"otel-stream-{i}") for i in range(2)), what="the stream's spans")
+    for i in range(2):
+        span = request_span(collector, f"otel-stream-{i}")
+        assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == STREAM_PARENT
+        assert {"GRPC_WAITREAD_START", "QUEUE_START", "COMPUTE_START", "GRPC_SEND_END"} <= {e.name for e in span.events}
+        assert len(span.links) == 1  # the batch it rode in
 
 
 def test_a_collector_that_is_down_costs_no_request(otel):

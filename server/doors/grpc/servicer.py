@@ -25,6 +25,8 @@ from server.runners.base import DECOUPLED, INFER
 from server.tensors.shared_memory import SharedMemoryRegistry
 from server.observability.tracing import doors as trace_doors
 from server.observability.tracing.control import TraceControl
+from server.observability.tracing.record import REQUEST_END
+from server.observability.tracing.streams import StreamTracing
 
 # Only what is implemented: perf_analyzer reads statistics only when "statistics" is listed.
 EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule_policy", "system_shared_memory",
@@ -138,15 +140,16 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
         return await self._infer(request, arrival, context.time_remaining())
 
     async def ModelStreamInfer(self, request_iterator, context):
-        async def infer_one(request, arrival):
-            return await self._infer(request, arrival, context.time_remaining())
+        async def infer_one(request, arrival, trace):
+            return await self._infer(request, arrival, context.time_remaining(), trace)
 
-        def stream_one(request, arrival):
-            return self._stream(request, arrival, context.time_remaining())
+        def stream_one(request, arrival, trace):
+            return self._stream(request, arrival, context.time_remaining(), trace)
 
         remaining = context.time_remaining()
         deadline = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else None
-        streams = stream_infer(self.registry, request_iterator, infer_one, deadline, stream_one)
+        streams = stream_infer(self.registry, request_iterator, infer_one, deadline, stream_one,
+                               StreamTracing(self.tracing, context))
         async with contextlib.aclosing(streams) as responses:
             async for response in responses:
                 yield response
@@ -165,14 +168,18 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
             outputs = classified(outputs, counts, mv.signature)
         return codec.encode_response(request, mv.version, outputs, names, targets)
 
-    async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
+    async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None):
         """A decoupled model's responses to one request, each encoded as it comes."""
         mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
         infer, _ = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
         wanted = infer.requested_outputs or tuple(mv.signature.outputs)
+        if trace is not None:
+            trace_doors.attach(trace, infer, mv.version)
         async with contextlib.aclosing(mv.runner.stream(infer)) as responses:
             async for outputs in responses:
                 yield codec.encode_response(request, mv.version, outputs, tuple(n for n in wanted if n in outputs))
+        if trace is not None:
+            trace.mark(REQUEST_END)
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None,

@@ -7,7 +7,8 @@ too, and so are `repetition_penalty` and `min_tokens`. `logprobs` (completions: 
 alternatives; chat: `logprobs: true` with `top_logprobs`) come back in OpenAI's shapes for each
 choice and chunk. Chat prompts are rendered with the model's own template (chat.py). `n` choices (and
 completions' `best_of`) share the prompt's computation (choices.py); streamed, each chunk names its
-choice by `index`; usage counts the prompt once and every generated choice's tokens.
+choice by `index`; usage counts the prompt once and every generated choice's tokens. A sampled
+request is traced once its body names the model (tracing/doors.py's GenerationTrace, as /generate).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from server.doors.http.body import read_body
 from server.doors.http.chat import ChatTemplate, checked_messages
 from server.doors.http.errors import message_of, openai_body, openai_error, status_of
 from server.doors.http.tensors import parse_json
+from server.observability.tracing import doors as trace_doors
+from server.observability.tracing.control import TraceControl
 
 # OpenAI field -> the runner's sampling key (max_completion_tokens is the newer name of max_tokens).
 _SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
@@ -56,8 +59,9 @@ def _errors(handler):
 
 
 class OpenAIRoutes:
-    def __init__(self, registry: Registry, body_limit: int):
+    def __init__(self, registry: Registry, body_limit: int, tracing: TraceControl | None = None):
         self.registry, self.body_limit = registry, body_limit
+        self.tracing = tracing or TraceControl()
         self._templates: dict[tuple[str, int], tuple[object, ChatTemplate | None]] = {}  # (runner, template) per version
 
     def routes(self) -> list[Route]:
@@ -75,6 +79,30 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         arrival = time.monotonic_ns()
         body = await self._body(request)
+        return await self._traced(self._completions, request, body, arrival, "text_completion")
+
+    @_errors
+    async def chat_completions(self, request: Request) -> Response:
+        arrival = time.monotonic_ns()
+        body = await self._body(request)
+        return await self._traced(self._chat_completions, request, body, arrival, "chat")
+
+    async def _traced(self, answer, request: Request, body: dict, arrival: int, operation: str) -> Response:
+        """`answer(body, arrival, traced)`, with a GenerationTrace when this request is sampled."""
+        if self.tracing.active:
+            model = body.get("model")
+            trace = self.tracing.begin(model if isinstance(model, str) else "", "", arrival, request.headers)
+            if trace is not None:
+                traced = trace_doors.GenerationTrace(trace, arrival, operation=operation)
+                traced.received()
+                try:
+                    return traced.respond(await answer(body, arrival, traced))
+                except BaseException as exc:
+                    traced.failed(exc)
+                    raise
+        return await answer(body, arrival, None)
+
+    async def _completions(self, body: dict, arrival: int, traced) -> Response:
         wanted = choices.counts(body, completions=True)
         mv = serving(self.registry, _model(body), "", GENERATE)
         text, ids = _prompt(body.get("prompt"))
@@ -82,12 +110,9 @@ class OpenAIRoutes:
         decoded = mv.runner.decode(given)
         reply = _Reply("cmpl", "text_completion", mv.name, chat=False)
         echo = decoded.prompt_text if body.get("echo") else ""
-        return await self._answer(mv, decoded, body, reply, echo, wanted)
+        return await self._answer(mv, decoded, body, reply, echo, wanted, traced)
 
-    @_errors
-    async def chat_completions(self, request: Request) -> Response:
-        arrival = time.monotonic_ns()
-        body = await self._body(request)
+    async def _chat_completions(self, body: dict, arrival: int, traced) -> Response:
         wanted = choices.counts(body, completions=False)
         mv = serving(self.registry, _model(body), "", GENERATE)
         template = self._template(mv)
@@ -96,10 +121,17 @@ class OpenAIRoutes:
                                     "use /v1/completions with a prompt")
         prompt = template.render(checked_messages(body.get("messages")), bool(body.get("add_generation_prompt", True)))
         decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=_sampling(body, _chat_logprobs(body))))
-        return await self._answer(mv, decoded, body, _Reply("chatcmpl", "chat.completion", mv.name, chat=True), "", wanted)
+        reply = _Reply("chatcmpl", "chat.completion", mv.name, chat=True)
+        return await self._answer(mv, decoded, body, reply, "", wanted, traced)
 
-    async def _answer(self, mv, decoded, body: dict, reply: _Reply, echo: str, wanted: choices.ChoiceCounts) -> Response:
+    async def _answer(self, mv, decoded, body: dict, reply: _Reply, echo: str, wanted: choices.ChoiceCounts,
+                      traced=None) -> Response:
+        """`traced`: the request's GenerationTrace (its request id the reply's), or None when not sampled."""
+        if traced is not None:
+            traced.started(mv.version, reply.id, decoded.sampling, wanted.best_of)
         generations = await choices.start(mv.runner, choices.variants(decoded, wanted.best_of, wanted.ranked))
+        if traced is not None:
+            generations = [traced.wrap(generation) for generation in generations]
         reply.echo = len(echo)
         asked = decoded.sampling.logprobs is not None
         if not body.get("stream"):

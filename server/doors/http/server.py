@@ -48,7 +48,7 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
     routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing).routes()
               + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit, tracing).routes()
-              + OpenAIRoutes(registry, options.body_limit).routes())
+              + OpenAIRoutes(registry, options.body_limit, tracing).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
 
 

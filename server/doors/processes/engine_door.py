@@ -5,7 +5,8 @@ the same functions (frontdoor.serving, frontdoor.infer_request, the runner, clas
 messages, statistics and metrics are the ones one process gives. A cancelled front-end call cancels its
 task here, which leaves the runner's queue as a cancelled gRPC handler does. Inputs are numpy views
 into the arena: each request-half block is handed back (FREE) only when its last view is gone, which
-may be after a cancelled request's batch has finished with it.
+may be after a cancelled request's batch has finished with it. Tracing is the engine's too: it samples
+calls and writes their traces, the front end's timestamps coming over this link (tracing/hop.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from server.repository.registry import Registry
 from server.request import parameters_of
 from server.doors.grpc.errors import status_of
 from server.doors.grpc.servicer import class_counts, classified
+from server.observability.tracing import doors as trace_doors
+from server.observability.tracing import hop
+from server.observability.tracing.control import TraceControl
 from server.runners.base import INFER
 
 log = logging.getLogger(__name__)
@@ -37,8 +41,11 @@ log = logging.getLogger(__name__)
 class EngineDoor:
     """Listens on a private unix socket; one `_Link` per connected front-end process."""
 
-    def __init__(self, registry: Registry, drain: Drain, folder: Path, arena_bytes: int):
+    def __init__(self, registry: Registry, drain: Drain, folder: Path, arena_bytes: int,
+                 tracing: TraceControl | None = None):
         self.registry, self.drain = registry, drain
+        self.tracing = tracing or TraceControl()  # the server's one: the front ends' calls are sampled here
+        self.tracing.watch(self._tracing_changed)
         self.folder, self.arena_bytes = folder, arena_bytes
         self.path = folder / "engine-door.sock"
         self.arenas: dict[int, Arena | None] = {}  # front end index -> the arena its current process maps
@@ -66,6 +73,10 @@ class EngineDoor:
             return None
         return path
 
+    def _tracing_changed(self, active: bool) -> None:
+        for link in self.links:
+            link.frames.send((m.TRACING, active))
+
     def stop_frontends(self, grace_s: float) -> None:
         """Drain is over: every front end waits for its callers to leave (within `grace_s`), then exits."""
         for link in self.links:
@@ -90,6 +101,7 @@ class _Link:
         self.arena: Arena | None = None
         self.answers: Allocator | None = None
         self.tasks: dict[int, asyncio.Task] = {}
+        self.sending: dict[int, object] = {}  # rid -> the trace of a traced answer, until the front end's SENT
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._freed: list[int] = []
@@ -107,6 +119,10 @@ class _Link:
         elif kind == m.FREE:
             for offset in frame[1]:
                 self.answers.free(offset)
+        elif kind == m.SENT:
+            trace = self.sending.pop(frame[1], None)
+            if trace is not None:
+                hop.sent(trace, frame[2], frame[3])
         elif kind == m.HELLO:
             self._hello(frame[1], frame[2])
 
@@ -118,6 +134,8 @@ class _Link:
         waiter = self.door.hello.get(index)
         if waiter is not None and not waiter.done():
             waiter.set_result(pid)
+        if self.door.tracing.active:
+            self.frames.send((m.TRACING, True))
 
     def _lost(self, exc) -> None:
         self.door.links.discard(self)
@@ -125,27 +143,46 @@ class _Link:
             log.warning("a front end left with %d bytes of the arena's answer half still held", self.answers.used)
         for task in self.tasks.values():  # the front end is gone: nobody waits for these answers
             task.cancel()
+        for trace in self.sending.values():
+            hop.ended(trace, "the front end process went away before the answer was sent")
+        self.sending.clear()
 
     def close(self) -> None:
         self.frames.close()
 
     async def _infer(self, call: m.InferCall) -> None:
+        trace = None
+        if self.door.tracing.active:
+            trace = hop.begin(self.door.tracing, call.model_name, call.id, call.arrival_ns, call.carrier)
         try:
-            version, outputs, params = await self._run(call)
-            self.frames.send((m.DONE, call.rid, version, [self._answer(n, a) for n, a in outputs], params))
+            version, outputs, params = await self._run(call, trace)
+            answers = [self._answer(n, a) for n, a in outputs]
+            if trace is None:
+                self.frames.send((m.DONE, call.rid, version, answers, params))
+            else:  # the front end marks the send and tells (SENT)
+                self.sending[call.rid] = trace
+                self.frames.send((m.TRACED, call.rid, version, answers, params))
+                trace = None
         except asyncio.CancelledError:
             return  # the caller cancelled or went away: no answer is read
         except _Refused as exc:
-            self.frames.send((m.ERROR, call.rid, exc.status, exc.message))
+            self._error(call.rid, exc.status, exc.message, trace)
         except FerryError as exc:
-            self.frames.send((m.ERROR, call.rid, status_of(exc).name, capped(exc.message)))
+            self._error(call.rid, status_of(exc).name, capped(exc.message), trace)
         except Exception as exc:  # the server keeps serving whatever a request hits
             log.exception("unexpected error in ModelInfer")
-            self.frames.send((m.ERROR, call.rid, "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"))
+            self._error(call.rid, "INTERNAL", f"internal error: {type(exc).__name__}: {exc}", trace)
         finally:
             self.tasks.pop(call.rid, None)
+            if trace is not None:  # cancelled (or failed, with its message already set)
+                hop.ended(trace, "cancelled")
 
-    async def _run(self, call: m.InferCall) -> tuple[int, list[tuple[str, np.ndarray]], dict]:
+    def _error(self, rid: int, status: str, message: str, trace) -> None:
+        self.frames.send((m.ERROR, rid, status, message))
+        if trace is not None:
+            trace.attributes["error"] = f"{status}: {message}"
+
+    async def _run(self, call: m.InferCall, trace=None) -> tuple[int, list[tuple[str, np.ndarray]], dict]:
         """rpc/servicer.py's `_infer` from `serving` on, for a call the front end decoded."""
         if self.door.drain.closed:  # the front end's own gate refuses first; this covers a call already on its way
             self.door.drain.refuse()
@@ -164,7 +201,11 @@ class _Link:
         if call.output_error is not None:
             raise _Refused(*call.output_error)
         counts = class_counts(call.output_parameters, mv.signature)
+        if trace is not None:
+            trace_doors.attach(trace, infer, mv.version)
         outputs = await mv.runner.infer(infer)
+        if trace is not None:
+            trace_doors.answered(trace, outputs)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
         outputs = classified(outputs, counts, mv.signature)
         return mv.version, [(name, outputs[name]) for name in names], parameters_of(outputs)

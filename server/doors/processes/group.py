@@ -24,13 +24,14 @@ DEFAULT_ARENA_BYTES = 64 * 2**20  # per front end: half for requests, half for a
 
 class FrontendGroup:
     def __init__(self, count: int, rpc: RpcOptions, access: AccessPolicy, grace_s: float, arena_bytes: int, loop: str,
-                 registry: Registry, drain: Drain, on_failed):
+                 registry: Registry, drain: Drain, on_failed, tracing=None):
+        """`tracing`: the server's TraceControl; calls the front ends decode are traced in this process."""
         self.folder = Path(tempfile.mkdtemp(prefix="ferry-"))  # 0700: only this user reaches the engine's sockets
         self.engine_socket = self.folder / "engine.sock"
         self.rpc = rpc
         self._reserved = reserve_port(rpc.host, rpc.port)
         self.port = self._reserved.getsockname()[1]
-        self.door = EngineDoor(registry, drain, self.folder, arena_bytes)
+        self.door = EngineDoor(registry, drain, self.folder, arena_bytes, tracing)
         spec = {
             "host": rpc.host, "port": self.port, "max_message_bytes": rpc.max_message_bytes,
             "max_concurrent_rpcs": rpc.max_concurrent_rpcs, "tls_cert": _path(rpc.tls_cert),

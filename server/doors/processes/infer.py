@@ -27,6 +27,7 @@ from server.names import capped
 from server.doors.grpc import codec
 from server.doors.grpc.errors import status_of
 from server.doors.grpc.passthrough import MalformedBodies, body_parser
+from server.observability.tracing import hop
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
 ENGINE_GONE = "the engine process of this server is gone; retry on another replica"
@@ -44,6 +45,7 @@ class EngineLink:
         self._ids = itertools.count(1)
         self._freed: list[int] = []
         self._on_lost, self._on_stop = on_lost, on_stop
+        self.tracing = False  # the engine may trace calls (TRACING frames): send their trace context
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -76,11 +78,21 @@ class EngineLink:
         if kind == m.STOP:
             self._on_stop(frame[1])
             return
+        if kind == m.TRACING:
+            self.tracing = frame[1]
+            return
         future = self.pending.pop(frame[1], None)
         if future is not None and not future.done():
             future.set_result(frame)
-        elif kind == m.DONE:  # its caller left meanwhile: the blocks still go back
+        elif kind == m.DONE or kind == m.TRACED:  # its caller left meanwhile: the blocks still go back
             self.release(frame[3])
+            if kind == m.TRACED:  # its trace ends without a send
+                self.frames.send((m.SENT, frame[1], None, None))
+
+    def traced(self, rid: int, context) -> None:
+        """A traced answer is handed to gRPC now; its send's end (the call is over) goes to the engine."""
+        start = time.monotonic_ns()
+        context.add_done_callback(lambda _: self.frames.send((m.SENT, rid, start, time.monotonic_ns())))
 
     def _lost(self, exc) -> None:
         for future in self.pending.values():
@@ -122,7 +134,7 @@ class FrontInfer:
         if _names_regions(request):
             return await self.relay.unary(METHOD, raw, context)
         rid = self.link.next_id()
-        future = self.link.call(self._call(rid, request, arrival, remaining))
+        future = self.link.call(self._call(rid, request, arrival, remaining, context))
         try:
             reply = await future
         except asyncio.CancelledError:
@@ -130,9 +142,13 @@ class FrontInfer:
             raise
         if reply[0] == m.ERROR:
             await context.abort(grpc.StatusCode[reply[2]], reply[3])
-        return self._response(request, reply[2], reply[3], reply[4])
+        response = self._response(request, reply[2], reply[3], reply[4])
+        if reply[0] == m.TRACED:
+            self.link.traced(rid, context)
+        return response
 
-    def _call(self, rid: int, request: pb.ModelInferRequest, arrival: int, remaining: float | None) -> m.InferCall:
+    def _call(self, rid: int, request: pb.ModelInferRequest, arrival: int, remaining: float | None,
+              context) -> m.InferCall:
         inputs, params, input_error, sent = {}, {}, None, []
         try:
             inputs = codec.decode_inputs(request)
@@ -153,7 +169,7 @@ class FrontInfer:
                   else sum(a.nbytes for a in inputs.values()))
         return m.InferCall(rid, request.model_name, request.model_version, request.id, sent, params,
                            tuple(o.name for o in request.outputs), tuple(wanted), arrival, remaining, nbytes,
-                           input_error, output_error)
+                           input_error, output_error, hop.carrier(context) if self.link.tracing else None)
 
     def _place(self, tensor, array) -> m.Tensor:
         data = tensors.to_raw(array) if array.dtype == object else array

@@ -12,9 +12,13 @@ from typing import Any, NamedTuple
 from server.ipc.tensors import Tensor
 
 # Frame kinds. Front end -> engine: HELLO(index, pid), INFER(InferCall), CANCEL(rid), FREE(offsets in the
-# answer half). Engine -> front end: DONE(rid, version, [Tensor], response parameters), ERROR(rid, status name, message),
-# FREE(offsets in the request half whose last numpy view is gone), STOP(grace_s: drain is over, stop serving).
+# answer half), SENT(rid, send start ns, send end ns: a traced answer's send). Engine -> front end:
+# DONE(rid, version, [Tensor], response parameters), TRACED (DONE's layout, for a call the engine traces:
+# the front end answers SENT), ERROR(rid, status name, message), FREE(offsets in the request half whose
+# last numpy view is gone), STOP(grace_s: drain is over, stop serving), TRACING(on: whether any call may
+# be traced; tracing/hop.py).
 HELLO, INFER, CANCEL, FREE, DONE, ERROR, STOP = "hello", "infer", "cancel", "free", "done", "error", "stop"
+TRACED, TRACING, SENT = "traced", "tracing", "sent"
 
 
 class InferCall(NamedTuple):
@@ -33,3 +37,4 @@ class InferCall(NamedTuple):
     nbytes: int  # the input data as received: the byte budgets' charge
     input_error: tuple[str, str] | None = None  # a refused tensor or parameter, answered after the model lookup
     output_error: tuple[str, str] | None = None  # a refused output parameter, answered after the signature check
+    carrier: dict[str, str] | None = None  # W3C trace context metadata, sent only while tracing is on

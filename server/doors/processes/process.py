@@ -68,6 +68,7 @@ async def serve(spec: dict) -> int:
 
     arena = Arena(Path(spec["arena"]), spec["arena_bytes"], create=False) if spec["arena"] else None
     link = EngineLink(arena, engine_lost.set, on_stop)
+    link.tracing = spec.get("tracing", False)
     await loop.create_unix_connection(lambda: link.frames, spec["door"])
     unlimited = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     channel = grpc.aio.insecure_channel(f"unix:{spec['engine']}", options=unlimited)

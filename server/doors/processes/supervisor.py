@@ -62,7 +62,8 @@ class Frontends:
     async def _spawn(self, index: int) -> None:
         self._generation += 1
         arena = self.door.new_arena(index, self._generation)
-        spec = {**self.spec, "index": index, "arena": str(arena) if arena else None}
+        spec = {**self.spec, "index": index, "arena": str(arena) if arena else None,
+                "tracing": self.door.tracing.active}  # later changes come as TRACING frames
         proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "server.doors.processes.process",
                                                     stdin=asyncio.subprocess.PIPE)
         proc.stdin.write(json.dumps(spec).encode())

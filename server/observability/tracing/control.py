@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Mapping
+from typing import Callable, Mapping
 
 from server.errors import DisabledError
 from server.observability.tracing import settings as ts
@@ -61,6 +61,11 @@ class TraceControl:
         self._models: dict[str, tuple[dict, _Sampler]] = {}  # model -> (its own changes, its sampler)
         self._ids = itertools.count(1)
         self.active = self.initial.on  # False: begin() answers None at once
+        self._watchers: list[Callable[[bool], None]] = []
+
+    def watch(self, changed: Callable[[bool], None]) -> None:
+        """`changed(active)` after every settings change (front-end processes learn whether to trace)."""
+        self._watchers.append(changed)
 
     # -- settings -----------------------------------------------------------------------------------
     def values(self, model: str | None = None) -> dict[str, str | list[str]]:
@@ -79,6 +84,8 @@ class TraceControl:
         else:
             self._update_global(dict(changes))
         self.active = self._global.settings.on or any(s.settings.on for _, s in self._models.values())
+        for changed in self._watchers:
+            changed(self.active)
         return self.values(model)
 
     def _update_global(self, changes: dict) -> None:

@@ -87,22 +87,30 @@ def _end(trace: r.Trace, last: str | None) -> None:
 
 
 class GenerationTrace:
-    """A generation stream's trace: a timestamp per streamed response, the first also FIRST_TOKEN; the
-    last response's usage and timings become the GenAI semantic-convention attributes."""
+    """A generation's trace: a timestamp per streamed response, the first also FIRST_TOKEN; once every
+    choice has finished, the usage and timings become the GenAI semantic-convention attributes."""
 
-    def __init__(self, trace: r.Trace, arrival_ns: int, context=None):
-        """`context`: the gRPC call's (its end is GRPC_SEND_END); None: an HTTP request (`respond`)."""
+    def __init__(self, trace: r.Trace, arrival_ns: int, context=None, stream: bool = False,
+                 operation: str = "text_completion"):
+        """`context`: the gRPC call's (its end is GRPC_SEND_END); None: an HTTP request (`respond`).
+        `stream`: a request on ModelStreamInfer (streams.py marks its reads and sends, and ends it).
+        `operation`: the GenAI operation name (`chat` for OpenAI's chat completions)."""
         self.trace = trace
         self.arrival_ns = arrival_ns
         self.first = True
-        self.http = context is None
+        self.http = context is None and not stream
+        self.stream = stream
+        self.operation = operation
+        self.left = 1  # choices still generating (OpenAI's n, best_of)
+        self.output_tokens = 0
+        self.finish_reasons: list[str] = []
         if self.http:
             trace.mark(r.HTTP_RECV_START, arrival_ns)
-        else:
+        elif not stream:
             trace.mark(r.GRPC_WAITREAD_START, arrival_ns)
             trace.mark(r.GRPC_WAITREAD_END, arrival_ns)
             context.add_done_callback(lambda _: _end(trace, r.GRPC_SEND_END))
-        trace.attributes["span.name"] = f"text_completion {trace.model_name}"
+        trace.attributes["span.name"] = f"{operation} {trace.model_name}"
 
     def received(self) -> None:
         """HTTP: the body has been read."""
@@ -131,12 +139,18 @@ class GenerationTrace:
             self.event(event)
             yield event
 
-    def started(self, version: int, request_id: str, sampling) -> None:
+    def wrap(self, generation) -> _Marked:
+        """An HTTP door's started generation (streaming.Generation) whose events are marked as they pass."""
+        return _Marked(self, generation)
+
+    def started(self, version: int, request_id: str, sampling, choices: int = 1) -> None:
+        """`choices`: generations this request runs (OpenAI's n or best_of); the trace's end waits for all."""
         trace = self.trace
+        self.left = choices
         trace.model_version, trace.request_id = version, request_id
         trace.mark(r.REQUEST_START)
         trace.mark(r.QUEUE_START)
-        trace.attributes.update({"gen_ai.operation.name": "text_completion", "gen_ai.system": "ferry",
+        trace.attributes.update({"gen_ai.operation.name": self.operation, "gen_ai.system": "ferry",
                                  "gen_ai.request.model": trace.model_name,
                                  "gen_ai.request.max_tokens": sampling.max_tokens,
                                  "gen_ai.request.temperature": sampling.temperature,
@@ -149,7 +163,11 @@ class GenerationTrace:
             self.first = False
         self.trace.mark(r.INFER_RESPONSE_COMPLETE, now)
         if event.finish_reason is not None:
-            self._last(event, now)
+            self.left -= 1
+            self.output_tokens += event.completion_tokens
+            self.finish_reasons.append(event.finish_reason)
+            if self.left <= 0:
+                self._last(event, now)
 
     def _last(self, event, now: int) -> None:
         trace = self.trace
@@ -157,10 +175,11 @@ class GenerationTrace:
         trace.mark(r.COMPUTE_START, min(compute, now))
         trace.mark(r.COMPUTE_END, now)
         trace.mark(r.REQUEST_END)
-        trace.mark(r.HTTP_SEND_START if self.http else r.GRPC_SEND_START)
+        if not self.stream:  # a stream's sends are marked per response as they are written (streams.py)
+            trace.mark(r.HTTP_SEND_START if self.http else r.GRPC_SEND_START)
         trace.attributes.update({
-            "gen_ai.usage.input_tokens": event.prompt_tokens, "gen_ai.usage.output_tokens": event.completion_tokens,
-            "gen_ai.response.finish_reasons": [event.finish_reason],
+            "gen_ai.usage.input_tokens": event.prompt_tokens, "gen_ai.usage.output_tokens": self.output_tokens,
+            "gen_ai.response.finish_reasons": self.finish_reasons,
             "gen_ai.latency.time_to_first_token": event.ttft_ms / 1e3,
             "gen_ai.latency.time_in_queue": event.queue_ms / 1e3, "gen_ai.latency.e2e": event.total_ms / 1e3})
 
@@ -168,3 +187,20 @@ class GenerationTrace:
         """HTTP: the request failed before its response was built; the trace ends now."""
         self.trace.attributes["error"] = f"{type(exc).__name__}: {exc}"
         _end(self.trace, None)
+
+
+class _Marked:
+    """A started generation (the HTTP door's streaming.Generation) whose events its trace marks."""
+
+    __slots__ = ("traced", "generation", "first")
+
+    def __init__(self, traced: GenerationTrace, generation):
+        self.traced, self.generation, self.first = traced, generation, generation.first
+
+    async def events(self):
+        async for event in self.generation.events():
+            self.traced.event(event)
+            yield event
+
+    async def close(self) -> None:
+        await self.generation.close()
