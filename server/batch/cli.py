@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from server.batch.requests import InvalidInputFile, requests, validate
 from server.batch.run import DEFAULT_IN_FLIGHT, run_lines
 
 log = logging.getLogger("ferry.batch")
+_GRPC_ADDRESS = re.compile(r"(?:grpcs?://)?(?:\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):[0-9]{1,5}/?")
 
 
 def add_batch_command(sub) -> None:
@@ -30,7 +32,8 @@ def add_batch_command(sub) -> None:
                    help="JSONL answers, appended as they come; an existing file is resumed (its custom_ids skipped)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model-repository", type=Path, help="run in this process on this repository (no port opened)")
-    where.add_argument("--url", help="send to a running server's HTTP door instead, e.g. http://127.0.0.1:8000")
+    where.add_argument("--url", help="send to a running server instead: its HTTP door (http://127.0.0.1:8000) or its "
+                                     "gRPC door (grpc://127.0.0.1:8001, or a bare HOST:PORT as tritonclient takes it)")
     p.add_argument("--max-in-flight", type=int, default=DEFAULT_IN_FLIGHT,
                    help=f"requests sent and not yet answered, per engine (default {DEFAULT_IN_FLIGHT})")
     p.add_argument("--token", default=os.environ.get("FERRY_TOKEN"),
@@ -60,7 +63,7 @@ def main(args) -> int:
         return 2
     try:
         done, kept = read_answered(args.output)
-        count, already = validate(args.input, done)
+        count, already = validate(args.input, done, _line_check(args))
     except (InvalidInputFile, OutputFileError, OSError) as exc:
         print(f"ferry batch: {exc}", file=sys.stderr)
         return 2
@@ -87,8 +90,9 @@ def main(args) -> int:
 def _flag_problem(args) -> str | None:
     if args.max_in_flight < 1:
         return f"--max-in-flight must be 1 or more, got {args.max_in_flight}"
-    if args.url is not None and not args.url.startswith(("http://", "https://")):
-        return f"--url takes the server's HTTP address, http://HOST:PORT or https://HOST:PORT; got {args.url!r}"
+    if args.url is not None and not args.url.startswith(("http://", "https://")) and not _GRPC_ADDRESS.fullmatch(args.url):
+        return ("--url takes the server's HTTP address (http://HOST:PORT, https://HOST:PORT) or its gRPC address "
+                f"(grpc://HOST:PORT, grpcs://HOST:PORT, or HOST:PORT); got {args.url!r}")
     if args.model_repository is not None and not args.model_repository.is_dir():
         return f"--model-repository {args.model_repository} is not a folder"
     if args.ray is not None and args.model_repository is None:
@@ -106,11 +110,22 @@ def _flag_problem(args) -> str | None:
     return None
 
 
+def _line_check(args):
+    """Lines bound for a gRPC door are checked for what has no gRPC equivalent, with the rest of the file."""
+    if args.url is None or args.url.startswith(("http://", "https://")):
+        return None
+    from server.batch.remote import grpc_problem
+
+    return grpc_problem
+
+
 async def _run_here(args, done: set[str], tally: Tally) -> None:
     if args.url is not None:
-        from server.batch.remote import RemoteServer
+        from server.batch.remote import GrpcServer, RemoteServer, grpc_target
 
-        engine = RemoteServer(args.url, args.max_in_flight, args.token, args.timeout)
+        grpc_door = grpc_target(args.url)
+        engine = (RemoteServer(args.url, args.max_in_flight, args.token, args.timeout) if grpc_door is None
+                  else GrpcServer(*grpc_door, args.token, args.timeout))
     else:
         from server.batch.local import LocalEngine
 

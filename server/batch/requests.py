@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,15 +70,20 @@ def _texts(path: Path) -> Iterator[tuple[int, str]]:
                 yield number, text
 
 
-def validate(path: Path, done: set[str] | frozenset[str] = frozenset()) -> tuple[int, int]:
+def validate(path: Path, done: set[str] | frozenset[str] = frozenset(),
+             check: Callable[[str, dict], str | None] | None = None) -> tuple[int, int]:
     """Check every line; returns the number of requests and how many of them `done` holds, or raises
-    InvalidInputFile naming the bad lines."""
+    InvalidInputFile naming the bad lines. `check(url, body)`: why a line cannot run where it is going
+    (a path with no gRPC equivalent, say), or None."""
     seen: dict[bytes, int] = {}
     problems, bad, count, already = [], 0, 0, 0
     try:
         for number, text in _texts(path):
             try:
                 line = parse(number, text)
+                reason = check(line.url, line.body) if check is not None else None
+                if reason:
+                    raise ValueError(f"{line.url}: {reason}")
                 key = hashlib.blake2b(line.custom_id.encode(), digest_size=16).digest()
                 first = seen.setdefault(key, number)
                 if first != number:

@@ -200,6 +200,54 @@ def test_url_sends_the_same_lines_to_a_running_server(env, tmp_path):
     assert len(records(there)) == len(LINES)
 
 
+def test_grpc_url_sends_every_path_over_grpc_and_answers_as_in_process(env, tmp_path):
+    """infer through ModelInfer; generate, completions and chat through Generate (chat rendered by the server's
+    template); each answer, refusals included, is the in-process (HTTP API) answer."""
+    _, server, source, here, _ = env
+    there = tmp_path / "grpc.jsonl"
+    done = ferry_batch("-i", source, "-o", there, "--url", f"grpc://{server.address}", "--max-in-flight", 8)
+    assert done.returncode == 0, done.stderr
+    expected = {cid: same(r["response"]) for cid, r in by_id(here).items()}
+    assert {cid: same(r["response"]) for cid, r in by_id(there).items()} == expected
+    chat_body = by_id(there)["chat-2"]["response"]["body"]
+    assert chat_body["object"] == "chat.completion" and chat_body["usage"]["completion_tokens"] == 4 + 2 % 6
+
+
+def test_a_bare_grpc_address_is_the_grpc_door(env, tmp_path):
+    _, server, _, here, _ = env
+    picked = [line for line in LINES if line["custom_id"] in ("infer-2", "chat-5", "gen-excluded", "bad-model")]
+    source = write_jsonl(tmp_path / "input.jsonl", picked)
+    there = tmp_path / "bare.jsonl"
+    done = ferry_batch("-i", source, "-o", there, "--url", server.address)  # HOST:PORT, as tritonclient takes it
+    assert done.returncode == 0, done.stderr
+    expected = by_id(here)
+    assert {cid: same(r["response"]) for cid, r in by_id(there).items()} == \
+        {line["custom_id"]: same(expected[line["custom_id"]]["response"]) for line in picked}
+
+
+def test_grpc_url_refuses_lines_with_no_grpc_equivalent_before_anything_runs(env, tmp_path):
+    _, server, _, _, _ = env
+    lines = [LINES[0],
+             request("tensors-by-name", "/v2/models/simple/generate", {"INPUT0": [1.0] * 16, "INPUT1": [1.0] * 16}),
+             LINES[1],
+             request("named", "/v1/chat/completions",
+                     {**chat(1), "messages": [{"role": "user", "content": "hi", "name": "ann"}]}),
+             request("negative-seed", "/v1/completions", completion(1, seed=-3))]
+    source = write_jsonl(tmp_path / "input.jsonl", lines)
+    output = tmp_path / "output.jsonl"
+    output.write_bytes(b"")
+    done = ferry_batch("-i", source, "-o", output, "--url", f"grpc://{server.address}")
+    assert done.returncode == 2, done.stderr
+    problems = [line.strip() for line in done.stderr.splitlines() if line.strip().startswith("line ")]
+    assert len(problems) == 3, done.stderr
+    assert problems[0].startswith("line 2: /v2/models/simple/generate:") and "text_input" in problems[0]
+    assert problems[1].startswith("line 4: /v1/chat/completions:") and "messages[0] has name" in problems[1]
+    assert problems[2].startswith("line 5: /v1/completions:") and "negative seed" in problems[2]
+    assert output.read_bytes() == b""
+    again = ferry_batch("-i", source, "-o", output, "--url", server.http_url)  # over HTTP the same file runs
+    assert again.returncode == 0, again.stderr
+
+
 def test_url_with_no_server_answering_writes_nothing_and_exits_1(tmp_path):
     source = write_jsonl(tmp_path / "input.jsonl", LINES[:3])
     output = tmp_path / "output.jsonl"
