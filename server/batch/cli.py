@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from server import event_loop
-from server.batch.output import AnswerWriter, OutputFileError, drop_torn, read_answered
+from server.batch.output import AnswerWriter, OutputFileError, ShardWriter, drop_torn, read_answered_in
 from server.batch.progress import Progress, Tally
 from server.batch.requests import InvalidInputFile, requests, validate
 from server.batch.run import DEFAULT_IN_FLIGHT, run_lines
@@ -28,8 +28,10 @@ _GRPC_ADDRESS = re.compile(r"(?:grpcs?://)?(?:\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]]+):[
 def add_batch_command(sub) -> None:
     p = sub.add_parser("batch", help="offline batch inference: a file of requests (OpenAI Batch format) in, answers out")
     p.add_argument("-i", "--input", type=Path, required=True, help="JSONL: {custom_id, method, url, body} a line")
-    p.add_argument("-o", "--output", type=Path, required=True,
-                   help="JSONL answers, appended as they come; an existing file is resumed (its custom_ids skipped)")
+    p.add_argument("-o", "--output", required=True,
+                   help="JSONL answers, appended as they come; an existing file is resumed (its custom_ids skipped). "
+                        "DIR/ (a trailing slash, or an existing folder): shard files in DIR, one per run, or with "
+                        "--ray one per batch an actor answers; every *.jsonl in DIR counts for the resume")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--model-repository", type=Path, help="run in this process on this repository (no port opened)")
     where.add_argument("--url", help="send to a running server instead: its HTTP door (http://127.0.0.1:8000) or its "
@@ -57,17 +59,22 @@ def main(args) -> int:
     from server.observability.log_settings import LOG_FORMAT
 
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    args.folder = args.output.endswith(("/", os.sep)) or Path(args.output).is_dir()
+    args.output = Path(args.output)
     problem = _flag_problem(args)
     if problem:
         print(f"ferry batch: {problem}", file=sys.stderr)
         return 2
     try:
-        done, kept = read_answered(args.output)
+        done, kept = read_answered_in(args.output, args.folder)
         count, already = validate(args.input, done, _line_check(args))
     except (InvalidInputFile, OutputFileError, OSError) as exc:
         print(f"ferry batch: {exc}", file=sys.stderr)
         return 2
-    drop_torn(args.output, kept)
+    for path, length in kept.items():
+        drop_torn(path, length)
+    if args.folder:
+        args.output.mkdir(exist_ok=True)
     tally = Tally(total=count - already, skipped=already)
     try:
         if tally.total == 0:
@@ -101,8 +108,10 @@ def _flag_problem(args) -> str | None:
         return "--ray needs Ray Data: pip install 'ferry-serve[ray]' (or pip install 'ray[data]')"
     if args.ray_actors < 1:
         return f"--ray-actors must be 1 or more, got {args.ray_actors}"
-    if args.output.is_dir():
-        return f"--output {args.output} is a folder; give a file"
+    if args.folder and args.output.exists() and not args.output.is_dir():
+        return f"--output {args.output}/ names a folder, but {args.output} is a file"
+    if args.folder and args.input.resolve().parent == args.output.resolve():
+        return f"--input {args.input} lies in the --output folder, whose files are the answers; move it out"
     if not args.output.absolute().parent.is_dir():
         return f"--output {args.output}: the folder {args.output.absolute().parent} does not exist"
     if args.input.resolve() == args.output.resolve():
@@ -132,5 +141,5 @@ async def _run_here(args, done: set[str], tally: Tally) -> None:
         engine = LocalEngine(args.model_repository)
     async with engine:
         tally.started = time.perf_counter()  # loading models is not part of the rate
-        with AnswerWriter(args.output) as writer:
+        with ShardWriter(args.output) if args.folder else AnswerWriter(args.output) as writer:
             await run_lines(engine, requests(args.input, done), writer, tally, args.max_in_flight, Progress(tally))

@@ -1,9 +1,10 @@
-"""The output file: one OpenAI batch-output line per answered custom_id, appended as answers come.
+"""The output: one OpenAI batch-output line per answered custom_id, appended as answers come.
 
-The file is the run's own progress record. Each line goes out in one `write` on a descriptor opened
-for appending, so a run killed at any moment (SIGKILL included) leaves whole lines plus at most one
-torn last line; `read_answered` finds the ids already done, which a rerun skips, and `drop_torn` cuts
-that line off.
+OUTPUT is one file, or a folder of shard files (`-o DIR/`: every `*.jsonl` in it is a shard; each run
+or Ray batch adds its own). It is the run's own progress record. Each line goes out in one `write` on
+a descriptor opened for appending, so a run killed at any moment (SIGKILL included) leaves whole lines
+plus at most one torn last line per file; `read_answered` finds the ids already done, which a rerun
+skips, and `drop_torn` cuts those lines off.
 """
 
 from __future__ import annotations
@@ -19,6 +20,22 @@ log = logging.getLogger("ferry.batch")
 
 class OutputFileError(Exception):
     """OUTPUT exists but is not a batch output file this command can resume into."""
+
+
+SHARD_GLOB = "*.jsonl"
+
+
+def shards(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.glob(SHARD_GLOB) if p.is_file())
+
+
+def read_answered_in(output: Path, folder: bool) -> tuple[set[str], dict[Path, int]]:
+    """`read_answered` over OUTPUT, a file or every shard of a folder: the ids done, and each file's whole length."""
+    done, kept = set(), {}
+    for path in shards(output) if folder else [output]:
+        found, kept[path] = read_answered(path)
+        done |= found
+    return done, kept
 
 
 def read_answered(path: Path) -> tuple[set[str], int]:
@@ -93,6 +110,30 @@ class AnswerWriter:
             self._fd = -1
 
     def __enter__(self) -> AnswerWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class ShardWriter:
+    """An AnswerWriter onto a new shard of a folder, created at its first line (a batch that answers nothing
+    leaves no empty file)."""
+
+    def __init__(self, folder: Path):
+        self.path = folder / f"part-{uuid.uuid4().hex[:16]}.jsonl"
+        self._writer: AnswerWriter | None = None
+
+    def write(self, record: dict) -> None:
+        if self._writer is None:
+            self._writer = AnswerWriter(self.path)
+        self._writer.write(record)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self) -> ShardWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -343,3 +343,60 @@ def test_ray_local_with_two_actors_equals_in_process(env, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     expected = {cid: same(r["response"]) for cid, r in by_id(here).items()}
     assert {cid: same(r["response"]) for cid, r in by_id(there).items()} == expected
+
+
+def shard_answers(folder: Path) -> dict[str, dict]:
+    """Every shard's lines by custom_id, each custom_id once across the shards."""
+    found = [json.loads(line) for shard in sorted(folder.glob("*.jsonl")) for line in shard.read_text().splitlines()]
+    ids = [r["custom_id"] for r in found]
+    assert len(ids) == len(set(ids)), "a custom_id answered twice across shards"
+    return {r["custom_id"]: r for r in found}
+
+
+def earlier_shard(folder: Path, here: Path, ids: list[str]) -> Path:
+    """A shard an interrupted run left: some answers, then a torn last line."""
+    folder.mkdir()
+    answers = by_id(here)
+    shard = folder / "part-earlier.jsonl"
+    shard.write_bytes(b"".join(json.dumps(answers[i]).encode() + b"\n" for i in ids) + b'{"id":"batch_req_torn","cust')
+    return shard
+
+
+def test_output_folder_gets_one_shard_per_run_and_resumes_from_every_shard(env, tmp_path):
+    repo, _, _, here, _ = env
+    picked = [line for line in LINES if line["custom_id"] in ("infer-1", "infer-2", "cmpl-3", "chat-1", "gen-0", "bad-shape")]
+    source = write_jsonl(tmp_path / "input.jsonl", picked)
+    folder = tmp_path / "answers"
+    earlier = earlier_shard(folder, here, ["infer-1", "chat-1"])
+    done = ferry_batch("-i", source, "-o", f"{folder}/", "--model-repository", repo)
+    assert done.returncode == 0, done.stderr
+    assert "2 already in" in done.stderr and "torn last line" in done.stderr
+    assert len(list(folder.glob("*.jsonl"))) == 2 and earlier.read_bytes().endswith(b"\n")  # the torn line cut off
+    expected = {line["custom_id"]: same(by_id(here)[line["custom_id"]]["response"]) for line in picked}
+    assert {cid: same(r["response"]) for cid, r in shard_answers(folder).items()} == expected
+    again = ferry_batch("-i", source, "-o", folder, "--model-repository", repo)  # an existing folder, no slash
+    assert again.returncode == 0 and f"{len(picked)} already in" in again.stderr
+    assert len(list(folder.glob("*.jsonl"))) == 2
+    a_file = tmp_path / "file.jsonl"
+    a_file.write_text("")
+    refused = ferry_batch("-i", source, "-o", f"{a_file}/", "--model-repository", repo)
+    assert refused.returncode == 2 and "is a file" in refused.stderr
+
+
+def test_ray_local_into_a_folder_writes_one_shard_per_block_and_resumes(env, tmp_path):
+    pytest.importorskip("ray.data", reason="ray is an optional extra (pip install -e '.[ray]'), not in the test extra")
+    repo, _, source, here, _ = env
+    folder = tmp_path / "shards"
+    earlier_shard(folder, here, ["chat-0", "infer-1", "bad-model"])
+    done = ferry_batch("-i", source, "-o", f"{folder}/", "--model-repository", repo, "--ray", "local",
+                       "--ray-actors", 2, "--ray-batch-size", 4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 already in" in done.stderr
+    new = [shard for shard in folder.glob("*.jsonl") if shard.name != "part-earlier.jsonl"]
+    sizes = [len(shard.read_text().splitlines()) for shard in new]
+    assert len(new) >= 2 and max(sizes) <= 4 and sum(sizes) == len(LINES) - 3, sizes
+    expected = {cid: same(r["response"]) for cid, r in by_id(here).items()}
+    assert {cid: same(r["response"]) for cid, r in shard_answers(folder).items()} == expected
+    assert f"ferry batch: {len(LINES) - 3} requests" in done.stderr
+    again = ferry_batch("-i", source, "-o", folder, "--model-repository", repo, "--ray", "local")
+    assert again.returncode == 0 and f"{len(LINES)} already in" in again.stderr
