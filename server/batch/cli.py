@@ -1,4 +1,6 @@
-"""`ferry batch -i INPUT.jsonl -o OUTPUT.jsonl (--model-repository REPO | --url URL) [--ray [ADDRESS]]`.
+"""`ferry batch -i INPUT.jsonl -o (OUTPUT.jsonl | DIR/) (--model-repository REPO | --url URL) [--ray [ADDRESS]]`.
+
+URL: http(s)://HOST:PORT (the HTTP door), grpc(s)://HOST:PORT or a bare HOST:PORT (the gRPC door).
 
 Exit status: 0 every request answered (HTTP errors included: each is an answer in OUTPUT), 1 some
 got no answer (a 503 that persisted, a remote server unreachable; rerun to retry them), 2 the command

@@ -91,8 +91,11 @@ def _append(answers, output: Path, tally: Tally, progress) -> None:
         for batch in answers.iter_batches(batch_size=None, batch_format="numpy"):
             for text in batch["answer"]:
                 writer.write_line(str(text))
-                record = json.loads(text)
-                tally.add(record["response"]["status_code"], record["response"]["body"])
+                response = json.loads(text)["response"]
+                usage = response["body"].get("usage") if isinstance(response["body"], dict) else None
+                tally.add(response["status_code"], (int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0))
+                          if isinstance(usage, dict) else (0, 0))
+            writer.flush()
             progress()
 
 

@@ -45,10 +45,10 @@ class RemoteServer:
                                              timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         return self
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
         try:
             async with self.session.post(self.url + path, data=body, headers=self.headers) as response:
-                return response.status, await response.read()
+                return response.status, await response.read(), False  # another process's bytes: parsed
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise Unanswered(f"{type(exc).__name__}: {exc}") from None
 
@@ -64,9 +64,10 @@ class GrpcServer:
         await self.upstream.__aenter__()
         return self
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
         try:
-            return await self.upstream.post(path, body)
+            status, answer, media = await self.upstream.post(path, body)
+            return status, answer, media == "application/json"  # encoded here, by the HTTP door's encoders
         except NoAnswer as exc:
             raise Unanswered(str(exc)) from None
 

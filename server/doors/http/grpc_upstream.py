@@ -53,7 +53,7 @@ def problem(url: str, body: dict) -> str | None:
 
 
 class GrpcUpstream:
-    """`async with GrpcUpstream("HOST:PORT") as up: status, body = await up.post(path, body)`."""
+    """`async with GrpcUpstream("HOST:PORT") as up: status, body, media_type = await up.post(path, body)`."""
 
     def __init__(self, target: str, token: str | None = None, timeout_s: float | None = None, secure: bool = False):
         self.target, self.secure, self.timeout_s = target, secure, timeout_s
@@ -73,27 +73,26 @@ class GrpcUpstream:
     def call_options(self) -> dict:
         return {"timeout": self.timeout_s, "metadata": self.metadata}
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        """The status and body the HTTP API answers for this request; raises NoAnswer when there is none."""
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, str]:
+        """The status, body and content type the HTTP API answers for this request; raises NoAnswer when there
+        is none."""
         openai = path in ("/v1/chat/completions", "/v1/completions")
         try:
             if openai:
-                return 200, JSONResponse(await generation.openai_answer(
-                    self.generator, body, chat=path == "/v1/chat/completions")).body
+                return _json(await generation.openai_answer(self.generator, body, chat=path == "/v1/chat/completions"))
             match = _MODEL_PATH.fullmatch(path)
             if match is None:
                 raise errors.UnsupportedError(f"{path} has no gRPC equivalent")
             if match["verb"] == "generate":
-                return 200, JSONResponse(await generation.generate_answer(
-                    self.generator, match["name"], match["version"] or "", body)).body
-            return 200, await self._infer(match["name"], match["version"] or "", body)
+                return _json(await generation.generate_answer(self.generator, match["name"], match["version"] or "", body))
+            return await self._infer(match["name"], match["version"] or "", body)
         except NoAnswer:
             raise
         except Exception as exc:  # noqa: BLE001 - answered with the HTTP door's error body, as the door does
             answer = (openai_error if openai else kserve_error)(status_of(exc), message_of(exc))
-            return answer.status_code, answer.body
+            return answer.status_code, answer.body, answer.media_type
 
-    async def _infer(self, name: str, version: str, body: bytes) -> bytes:
+    async def _infer(self, name: str, version: str, body: bytes) -> tuple[int, bytes, str]:
         header, binary = tensors.split_body(body, None)
         regions = SharedMemoryRegistry()  # what this process has registered: none, as ferry batch's own door
         decoded = tensors.decode_infer(header, binary, regions)
@@ -112,9 +111,9 @@ class GrpcUpstream:
             raise self.failure(err) from None
         outputs = {t.name: wire.from_raw(t.name, datatypes.BY_API[t.datatype], tuple(t.shape), raw)
                    for t, raw in zip(response.outputs, response.raw_output_contents)}
-        data, _ = tensors.encode_infer(decoded, response.model_name, response.model_version, outputs,
-                                       tuple(t.name for t in response.outputs))
-        return data
+        data, header_length = tensors.encode_infer(decoded, response.model_name, response.model_version, outputs,
+                                                   tuple(t.name for t in response.outputs))
+        return 200, data, "application/json" if header_length is None else "application/octet-stream"
 
     def failure(self, err: grpc.aio.AioRpcError) -> Exception:
         """The domain error a gRPC status was made from, or NoAnswer when the status is no answer at all."""
@@ -122,6 +121,11 @@ class GrpcUpstream:
         if code in _NOT_ANSWERS or (code == grpc.StatusCode.DEADLINE_EXCEEDED and self.timeout_s is not None):
             return NoAnswer(f"{code.name}: {err.details()}")
         return _ERROR_OF.get(code, errors.BackendError)(err.details() or code.name)
+
+
+def _json(content: dict) -> tuple[int, bytes, str]:
+    response = JSONResponse(content)
+    return response.status_code, response.body, response.media_type
 
 
 def _set_parameter(param: pb.InferParameter, key: str, value) -> None:
