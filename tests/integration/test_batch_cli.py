@@ -248,12 +248,21 @@ def test_grpc_url_refuses_lines_with_no_grpc_equivalent_before_anything_runs(env
     assert again.returncode == 0, again.stderr
 
 
-def test_url_with_no_server_answering_writes_nothing_and_exits_1(tmp_path):
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:8001", "127.0.0.1", "grpc://127.0.0.1"])
+def test_url_takes_an_http_or_a_grpc_address(url, tmp_path):
+    source = write_jsonl(tmp_path / "input.jsonl", LINES[:1])
+    done = ferry_batch("-i", source, "-o", tmp_path / "output.jsonl", "--url", url)
+    assert done.returncode == 2 and "grpc://HOST:PORT" in done.stderr and "http://HOST:PORT" in done.stderr
+    assert not (tmp_path / "output.jsonl").exists()
+
+
+@pytest.mark.parametrize("scheme", ["http://", "grpc://"])
+def test_url_with_no_server_answering_writes_nothing_and_exits_1(scheme, tmp_path):
     source = write_jsonl(tmp_path / "input.jsonl", LINES[:3])
     output = tmp_path / "output.jsonl"
     with socket.socket() as bound:  # bound, not listening: connections are refused, and no one else gets the port
         bound.bind(("127.0.0.1", 0))
-        done = ferry_batch("-i", source, "-o", output, "--url", f"http://127.0.0.1:{bound.getsockname()[1]}")
+        done = ferry_batch("-i", source, "-o", output, "--url", f"{scheme}127.0.0.1:{bound.getsockname()[1]}")
     assert done.returncode == 1, done.stderr
     assert "3 unanswered" in done.stderr and "left for a rerun" in done.stderr
     assert output.read_bytes() == b""
