@@ -11,14 +11,14 @@ import asyncio
 
 
 async def call(app, method: str, path: str, body: bytes,
-               headers: tuple[tuple[bytes, bytes], ...] = ((b"content-type", b"application/json"),)) -> tuple[int, bytes]:
-    """Send one request to `app`; returns the status code and the whole response body."""
+               headers: tuple[tuple[bytes, bytes], ...] = ((b"content-type", b"application/json"),)) -> tuple[int, bytes, str]:
+    """Send one request to `app`; returns the status code, the whole response body and its content type."""
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
              "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
              "root_path": "", "headers": [*headers, (b"content-length", str(len(body)).encode())],
              "client": ("127.0.0.1", 0), "server": ("ferry-batch", 0)}
     answered = asyncio.Event()
-    status, chunks = [500], []
+    status, chunks, media = [500], [], [""]
     pending = [{"type": "http.request", "body": body, "more_body": False}]
 
     async def receive():
@@ -30,6 +30,7 @@ async def call(app, method: str, path: str, body: bytes,
     async def send(message):
         if message["type"] == "http.response.start":
             status[0] = message["status"]
+            media[0] = next((v.decode("latin-1") for k, v in message.get("headers", ()) if k == b"content-type"), "")
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -37,4 +38,4 @@ async def call(app, method: str, path: str, body: bytes,
 
     await app(scope, receive, send)
     answered.set()
-    return status[0], b"".join(chunks)
+    return status[0], b"".join(chunks), media[0]

@@ -27,7 +27,7 @@ CLOSE_GRACE_S = 30.0
 
 
 class LocalEngine:
-    """`async with LocalEngine(repo) as engine: status, body = await engine.post(path, body)`."""
+    """`async with LocalEngine(repo) as engine: status, body, trusted = await engine.post(path, body)`."""
 
     def __init__(self, repository: Path, **config):
         self.config = ServerConfig(model_repository=repository, metrics_port=None, web=None, **config)
@@ -46,8 +46,9 @@ class LocalEngine:
                              ModelControl(registry))
         return self
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        return await asgi.call(self.app, "POST", path, body)
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
+        status, answer, media = await asgi.call(self.app, "POST", path, body)
+        return status, answer, media == "application/json"  # the door's own JSON: written into OUTPUT as it is
 
     async def __aexit__(self, exc_type, *exc) -> None:
         await self.engine.close(0.0 if exc_type is not None else CLOSE_GRACE_S)  # interrupted: cut off at once

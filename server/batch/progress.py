@@ -29,15 +29,14 @@ class Tally:
     def done(self) -> int:
         return self.ok + self.refused + self.unanswered
 
-    def add(self, status: int, body) -> None:
+    def add(self, status: int, tokens: tuple[int, int]) -> None:
+        """One answer: its status and (prompt, completion) token counts."""
         if 200 <= status < 300:
             self.ok += 1
         else:
             self.refused += 1
-        usage = body.get("usage") if isinstance(body, dict) else None
-        if isinstance(usage, dict):
-            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens += int(usage.get("completion_tokens") or 0)
+        self.prompt_tokens += tokens[0]
+        self.completion_tokens += tokens[1]
 
     def merge(self, other: Tally) -> None:
         for name in ("ok", "refused", "unanswered", "prompt_tokens", "completion_tokens"):

@@ -9,12 +9,11 @@ in completion order; each custom_id appears once.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Iterable
 from typing import Protocol
 
-from server.batch.output import AnswerWriter, answer_line, parse_body
+from server.batch.output import AnswerWriter, answer
 from server.batch.progress import Tally
 from server.batch.requests import Line
 
@@ -29,7 +28,8 @@ class Unanswered(Exception):
 
 
 class Sender(Protocol):
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]: ...
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes, bool]:
+        """(status, answer, trusted): trusted when the answer is JSON from Ferry's encoder in this process."""
 
 
 async def run_lines(sender: Sender, lines: Iterable[Line], writer: AnswerWriter, tally: Tally,
@@ -41,13 +41,15 @@ async def run_lines(sender: Sender, lines: Iterable[Line], writer: AnswerWriter,
     slots = asyncio.Semaphore(in_flight)
     running: set[asyncio.Task] = set()
     failures: list[BaseException] = []
+    flushing = _Flushing(writer)
 
     async def one(line: Line) -> None:
         try:
-            status, raw = await _post(sender, line)
-            body = parse_body(raw)
-            writer.write(answer_line(line.custom_id, status, body))
-            tally.add(status, body)
+            status, raw, trusted = await _post(sender, line)
+            text, tokens = answer(line.custom_id, status, raw, trusted)
+            writer.write_line(text)
+            flushing.soon()
+            tally.add(status, tokens)
         except Unanswered as exc:
             tally.unanswered += 1
             if tally.unanswered <= SHOWN_UNANSWERED:
@@ -75,18 +77,37 @@ async def run_lines(sender: Sender, lines: Iterable[Line], writer: AnswerWriter,
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
         raise
+    finally:
+        flushing.now()  # answers already made are written, whatever ended the run
     if failures:
         raise failures[0]
 
 
-async def _post(sender: Sender, line: Line) -> tuple[int, bytes]:
+class _Flushing:
+    """Gathered answer lines reach the file within the writer's FLUSH_S even when no further answer comes."""
+
+    def __init__(self, writer):
+        self.writer, self.timer = writer, None
+
+    def soon(self) -> None:
+        if self.timer is None:
+            self.timer = asyncio.get_running_loop().call_later(AnswerWriter.FLUSH_S, self.now)
+
+    def now(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.writer.flush()
+
+
+async def _post(sender: Sender, line: Line) -> tuple[int, bytes, bool]:
     """One request; 503 (a full queue, a model not ready, a draining server) is retried, then left unanswered,
     so a passing condition never becomes a final answer in OUTPUT."""
-    body = json.dumps(line.body).encode()
+    body = line.data
     for backoff_s in (*RETRY_BACKOFF_S, None):
-        status, raw = await sender.post(line.url, body)
+        status, raw, trusted = await sender.post(line.url, body)
         if status != 503:
-            return status, raw
+            return status, raw, trusted
         if backoff_s is not None:
             await asyncio.sleep(backoff_s)
     raise Unanswered(f"503 after {len(RETRY_BACKOFF_S)} retries: {raw[:200].decode('utf-8', 'replace')}")

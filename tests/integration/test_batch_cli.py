@@ -200,12 +200,69 @@ def test_url_sends_the_same_lines_to_a_running_server(env, tmp_path):
     assert len(records(there)) == len(LINES)
 
 
-def test_url_with_no_server_answering_writes_nothing_and_exits_1(tmp_path):
+def test_grpc_url_sends_every_path_over_grpc_and_answers_as_in_process(env, tmp_path):
+    """infer through ModelInfer; generate, completions and chat through Generate (chat rendered by the server's
+    template); each answer, refusals included, is the in-process (HTTP API) answer."""
+    _, server, source, here, _ = env
+    there = tmp_path / "grpc.jsonl"
+    done = ferry_batch("-i", source, "-o", there, "--url", f"grpc://{server.address}", "--max-in-flight", 8)
+    assert done.returncode == 0, done.stderr
+    expected = {cid: same(r["response"]) for cid, r in by_id(here).items()}
+    assert {cid: same(r["response"]) for cid, r in by_id(there).items()} == expected
+    chat_body = by_id(there)["chat-2"]["response"]["body"]
+    assert chat_body["object"] == "chat.completion" and chat_body["usage"]["completion_tokens"] == 4 + 2 % 6
+
+
+def test_a_bare_grpc_address_is_the_grpc_door(env, tmp_path):
+    _, server, _, here, _ = env
+    picked = [line for line in LINES if line["custom_id"] in ("infer-2", "chat-5", "gen-excluded", "bad-model")]
+    source = write_jsonl(tmp_path / "input.jsonl", picked)
+    there = tmp_path / "bare.jsonl"
+    done = ferry_batch("-i", source, "-o", there, "--url", server.address)  # HOST:PORT, as tritonclient takes it
+    assert done.returncode == 0, done.stderr
+    expected = by_id(here)
+    assert {cid: same(r["response"]) for cid, r in by_id(there).items()} == \
+        {line["custom_id"]: same(expected[line["custom_id"]]["response"]) for line in picked}
+
+
+def test_grpc_url_refuses_lines_with_no_grpc_equivalent_before_anything_runs(env, tmp_path):
+    _, server, _, _, _ = env
+    lines = [LINES[0],
+             request("tensors-by-name", "/v2/models/simple/generate", {"INPUT0": [1.0] * 16, "INPUT1": [1.0] * 16}),
+             LINES[1],
+             request("named", "/v1/chat/completions",
+                     {**chat(1), "messages": [{"role": "user", "content": "hi", "name": "ann"}]}),
+             request("negative-seed", "/v1/completions", completion(1, seed=-3))]
+    source = write_jsonl(tmp_path / "input.jsonl", lines)
+    output = tmp_path / "output.jsonl"
+    output.write_bytes(b"")
+    done = ferry_batch("-i", source, "-o", output, "--url", f"grpc://{server.address}")
+    assert done.returncode == 2, done.stderr
+    problems = [line.strip() for line in done.stderr.splitlines() if line.strip().startswith("line ")]
+    assert len(problems) == 3, done.stderr
+    assert problems[0].startswith("line 2: /v2/models/simple/generate:") and "text_input" in problems[0]
+    assert problems[1].startswith("line 4: /v1/chat/completions:") and "messages[0] has name" in problems[1]
+    assert problems[2].startswith("line 5: /v1/completions:") and "negative seed" in problems[2]
+    assert output.read_bytes() == b""
+    again = ferry_batch("-i", source, "-o", output, "--url", server.http_url)  # over HTTP the same file runs
+    assert again.returncode == 0, again.stderr
+
+
+@pytest.mark.parametrize("url", ["ftp://127.0.0.1:8001", "127.0.0.1", "grpc://127.0.0.1"])
+def test_url_takes_an_http_or_a_grpc_address(url, tmp_path):
+    source = write_jsonl(tmp_path / "input.jsonl", LINES[:1])
+    done = ferry_batch("-i", source, "-o", tmp_path / "output.jsonl", "--url", url)
+    assert done.returncode == 2 and "grpc://HOST:PORT" in done.stderr and "http://HOST:PORT" in done.stderr
+    assert not (tmp_path / "output.jsonl").exists()
+
+
+@pytest.mark.parametrize("scheme", ["http://", "grpc://"])
+def test_url_with_no_server_answering_writes_nothing_and_exits_1(scheme, tmp_path):
     source = write_jsonl(tmp_path / "input.jsonl", LINES[:3])
     output = tmp_path / "output.jsonl"
     with socket.socket() as bound:  # bound, not listening: connections are refused, and no one else gets the port
         bound.bind(("127.0.0.1", 0))
-        done = ferry_batch("-i", source, "-o", output, "--url", f"http://127.0.0.1:{bound.getsockname()[1]}")
+        done = ferry_batch("-i", source, "-o", output, "--url", f"{scheme}127.0.0.1:{bound.getsockname()[1]}")
     assert done.returncode == 1, done.stderr
     assert "3 unanswered" in done.stderr and "left for a rerun" in done.stderr
     assert output.read_bytes() == b""
@@ -295,3 +352,60 @@ def test_ray_local_with_two_actors_equals_in_process(env, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     expected = {cid: same(r["response"]) for cid, r in by_id(here).items()}
     assert {cid: same(r["response"]) for cid, r in by_id(there).items()} == expected
+
+
+def shard_answers(folder: Path) -> dict[str, dict]:
+    """Every shard's lines by custom_id, each custom_id once across the shards."""
+    found = [json.loads(line) for shard in sorted(folder.glob("*.jsonl")) for line in shard.read_text().splitlines()]
+    ids = [r["custom_id"] for r in found]
+    assert len(ids) == len(set(ids)), "a custom_id answered twice across shards"
+    return {r["custom_id"]: r for r in found}
+
+
+def earlier_shard(folder: Path, here: Path, ids: list[str]) -> Path:
+    """A shard an interrupted run left: some answers, then a torn last line."""
+    folder.mkdir()
+    answers = by_id(here)
+    shard = folder / "part-earlier.jsonl"
+    shard.write_bytes(b"".join(json.dumps(answers[i]).encode() + b"\n" for i in ids) + b'{"id":"batch_req_torn","cust')
+    return shard
+
+
+def test_output_folder_gets_one_shard_per_run_and_resumes_from_every_shard(env, tmp_path):
+    repo, _, _, here, _ = env
+    picked = [line for line in LINES if line["custom_id"] in ("infer-1", "infer-2", "cmpl-3", "chat-1", "gen-0", "bad-shape")]
+    source = write_jsonl(tmp_path / "input.jsonl", picked)
+    folder = tmp_path / "answers"
+    earlier = earlier_shard(folder, here, ["infer-1", "chat-1"])
+    done = ferry_batch("-i", source, "-o", f"{folder}/", "--model-repository", repo)
+    assert done.returncode == 0, done.stderr
+    assert "2 already in" in done.stderr and "torn last line" in done.stderr
+    assert len(list(folder.glob("*.jsonl"))) == 2 and earlier.read_bytes().endswith(b"\n")  # the torn line cut off
+    expected = {line["custom_id"]: same(by_id(here)[line["custom_id"]]["response"]) for line in picked}
+    assert {cid: same(r["response"]) for cid, r in shard_answers(folder).items()} == expected
+    again = ferry_batch("-i", source, "-o", folder, "--model-repository", repo)  # an existing folder, no slash
+    assert again.returncode == 0 and f"{len(picked)} already in" in again.stderr
+    assert len(list(folder.glob("*.jsonl"))) == 2
+    a_file = tmp_path / "file.jsonl"
+    a_file.write_text("")
+    refused = ferry_batch("-i", source, "-o", f"{a_file}/", "--model-repository", repo)
+    assert refused.returncode == 2 and "is a file" in refused.stderr
+
+
+def test_ray_local_into_a_folder_writes_one_shard_per_block_and_resumes(env, tmp_path):
+    pytest.importorskip("ray.data", reason="ray is an optional extra (pip install -e '.[ray]'), not in the test extra")
+    repo, _, source, here, _ = env
+    folder = tmp_path / "shards"
+    earlier_shard(folder, here, ["chat-0", "infer-1", "bad-model"])
+    done = ferry_batch("-i", source, "-o", f"{folder}/", "--model-repository", repo, "--ray", "local",
+                       "--ray-actors", 2, "--ray-batch-size", 4)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 already in" in done.stderr
+    new = [shard for shard in folder.glob("*.jsonl") if shard.name != "part-earlier.jsonl"]
+    sizes = [len(shard.read_text().splitlines()) for shard in new]
+    assert len(new) >= 2 and max(sizes) <= 4 and sum(sizes) == len(LINES) - 3, sizes
+    expected = {cid: same(r["response"]) for cid, r in by_id(here).items()}
+    assert {cid: same(r["response"]) for cid, r in shard_answers(folder).items()} == expected
+    assert f"ferry batch: {len(LINES) - 3} requests" in done.stderr
+    again = ferry_batch("-i", source, "-o", folder, "--model-repository", repo, "--ray", "local")
+    assert again.returncode == 0 and f"{len(LINES)} already in" in again.stderr

@@ -9,6 +9,7 @@ import shutil
 import urllib.error
 import urllib.request
 
+import grpc
 import pytest
 
 pytest.importorskip("transformers", reason="transformers builds the reference models (test extra)")
@@ -91,6 +92,28 @@ def test_chat_renders_the_template_and_matches_greedy(env):
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
     assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_grpc_generate_takes_a_chat_prompt_rendered_as_chat_completions_renders_it(env):
+    server, client, llama = env
+    messages = [{"role": "system", "content": "go"}, {"role": "user", "content": "ferry"}]
+    prompt_ids = Tokenizer.from_file(str(llama / "tokenizer.json")).encode("<s><|system|>go\n<|user|>ferry\n<|assistant|>").ids
+    stub = gen_grpc.GenerationStub(server.channel)
+    chat = gen.ChatPrompt(messages=[gen.ChatMessage(**m) for m in messages])
+    responses = list(stub.Generate(gen.GenerateRequest(model_name="llama", chat=chat, sampling=gen.SamplingParams(
+        max_tokens=10, ignore_eos=True)), timeout=120))
+    assert [t for r in responses for t in r.token_ids] == llm_builders.reference_greedy(llama, prompt_ids, 10)
+    assert responses[-1].usage.prompt_tokens == len(prompt_ids) and responses[-1].model_version == "1"
+    whole = client.chat.completions.create(model="llama", messages=messages, max_tokens=10, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert "".join(r.text for r in responses) == whole.choices[0].message.content
+    no_prompt = gen.ChatPrompt(messages=[gen.ChatMessage(role="user", content="ferry")], add_generation_prompt=False)
+    last = list(stub.Generate(gen.GenerateRequest(model_name="llama", chat=no_prompt,
+                                                  sampling=gen.SamplingParams(max_tokens=1)), timeout=120))[-1]
+    assert last.usage.prompt_tokens == len(Tokenizer.from_file(str(llama / "tokenizer.json")).encode("<s><|user|>ferry\n").ids)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(gen.GenerateRequest(model_name="plain", chat=chat), timeout=120))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "no chat template" in info.value.details()
 
 
 def test_errors_come_in_openais_shape(env):

@@ -1,4 +1,8 @@
-"""ferry.generate.v1.Generation: look up -> the runner's decoder -> stream the runner's events -> encode."""
+"""ferry.generate.v1.Generation: look up -> the runner's decoder -> stream the runner's events -> encode.
+
+A `chat` prompt is rendered by the model's chat template through the HTTP door's own `Templates`, so a
+conversation gets the prompt /v1/chat/completions gives it (and `ferry batch --url grpc://` can answer
+chat lines over gRPC)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from protos import generate_pb2 as gen
 from protos import generate_pb2_grpc as gen_grpc
 from server.repository.registry import Registry
 from server.doors.grpc.errors import translate_stream_errors
+from server.doors.http.chat import Templates
 from server.doors.shared import serving
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
@@ -22,6 +27,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
     def __init__(self, registry: Registry, tracing: TraceControl | None = None):
         self.registry = registry
         self.tracing = tracing or TraceControl()
+        self.templates = Templates(registry.root)
 
     @translate_stream_errors
     async def Generate(self, request: gen.GenerateRequest, context):
@@ -33,8 +39,9 @@ class GenerationServicer(gen_grpc.GenerationServicer):
         mv = serving(self.registry, request.model_name, request.model_version, GENERATE)
         remaining = context.time_remaining()
         which = request.WhichOneof("prompt")
+        text = request.text if which == "text" else self._chat(mv, request.chat) if which == "chat" else None
         decoded = mv.runner.decode(GenerationInput(
-            arrival, text=request.text if which == "text" else None,
+            arrival, text=text,
             token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
             sampling=_sampling(request.sampling), priority=request.priority, timeout_us=request.timeout_us,
             rpc_deadline_ns=arrival + int(remaining * 1e9) if remaining is not None else None))
@@ -45,15 +52,21 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             async for event in events:
                 if traced is not None:
                     traced.event(event)
-                yield _response(request.id, event)
+                yield _response(request.id, event, mv.version)
+
+    def _chat(self, mv, chat: gen.ChatPrompt) -> str:
+        messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+        add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+        return self.templates.prompt(mv, messages, add)
 
 
-def _response(request_id: str, event) -> gen.GenerateResponse:
+def _response(request_id: str, event, version: int) -> gen.GenerateResponse:
     response = gen.GenerateResponse(id=request_id, token_ids=event.token_ids, text=event.text)
     for entry in event.logprobs or ():
         response.logprobs.append(gen.TokenLogprobs(sampled=_logprob(entry.sampled), top=map(_logprob, entry.top)))
     if event.finish_reason is not None:
         response.finish_reason = event.finish_reason
+        response.model_version = str(version)
         response.usage.prompt_tokens = event.prompt_tokens
         response.usage.completion_tokens = event.completion_tokens
         response.timings.queue_ms = event.queue_ms

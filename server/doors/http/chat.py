@@ -49,6 +49,31 @@ class ChatTemplate:
             raise InvalidInputError(f"the model's chat template refused these messages: {capped(str(exc), 300)}") from None
 
 
+class Templates:
+    """Each served version's chat template, read from its folder once per load (a reload gives a new
+    runner, so the folder is read again). Both doors render chat prompts through here: /v1/chat/completions
+    and gRPC Generate's `chat` prompt give a conversation the same prompt."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._cached: dict[tuple[str, int], tuple[object, ChatTemplate | None]] = {}
+
+    def of(self, mv) -> ChatTemplate | None:
+        cached = self._cached.get((mv.name, mv.version))
+        if cached is None or cached[0] is not mv.runner:
+            cached = (mv.runner, ChatTemplate.from_folder(self.root / mv.name / str(mv.version)))
+            self._cached[(mv.name, mv.version)] = cached
+        return cached[1]
+
+    def prompt(self, mv, messages, add_generation_prompt: bool = True) -> str:
+        """The conversation as the prompt `mv` generates from; refusals are InvalidInputError."""
+        template = self.of(mv)
+        if template is None:
+            raise InvalidInputError(f"model '{mv.name}' has no chat template (chat_template in tokenizer_config.json); "
+                                    "use /v1/completions with a prompt")
+        return template.render(checked_messages(messages), add_generation_prompt)
+
+
 def checked_messages(messages) -> list[dict]:
     """OpenAI chat messages with text content only (content parts of type 'text' are joined)."""
     if not isinstance(messages, list) or not messages:

@@ -54,9 +54,7 @@ class GenerateRoutes:
             return JSONResponse(answers[-1] if answers else generate_tensors.answer(tensor_model, {}))
         mv, body, generation, traced = await self._start(request)
         text, last = await (generation.collect() if traced is None else traced.collect(generation))
-        if not body.get("exclude_input_in_output", False):
-            text = body["text_input"] + text
-        response = JSONResponse(_answer(mv, text, last))
+        response = JSONResponse(answer(mv.name, mv.version, whole_text(body, text), last))
         return response if traced is None else traced.respond(response)
 
     @kserve_errors
@@ -70,7 +68,7 @@ class GenerateRoutes:
         async def frames():
             try:
                 async for event in events:
-                    yield streaming.sse(_answer(mv, event.text, event))
+                    yield streaming.sse(answer(mv.name, mv.version, event.text, event))
             except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
                 yield streaming.sse({"error": message_of(exc)})
 
@@ -128,22 +126,32 @@ class GenerateRoutes:
         body = parse_json(await read_body(request, self.body_limit))
         if traced is not None:
             traced.received()
-        if not isinstance(body, dict) or not isinstance(body.get("text_input"), str):
-            raise InvalidInputError("the generate request must be a JSON object with a string 'text_input'")
-        unknown = set(body) - _INPUTS - SAMPLING_KEYS
-        if unknown:
-            raise InvalidInputError(f"unknown fields {shown(str(sorted(unknown)))}; send sampling parameters in 'parameters'")
-        params = body.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise InvalidInputError("'parameters' must be a JSON object")
-        sampling = {k: v for k, v in {**body, **params}.items() if k in SAMPLING_KEYS}
-        if "sampling_parameters" in body:
-            sampling.update(_json_object(body["sampling_parameters"]))
-        decoded = mv.runner.decode(GenerationInput(arrival, text=body["text_input"], sampling=from_strings(sampling),
-                                                   priority=params.get("priority", 0), timeout_us=params.get("timeout", 0)))
+        decoded = mv.runner.decode(generation_input(body, arrival))
         if traced is not None:
             traced.started(mv.version, str(body.get("id", "")), decoded.sampling)
         return mv, body, await streaming.start(mv.runner, decoded)
+
+
+def generation_input(body, arrival_ns: int) -> GenerationInput:
+    """A generate body for a generation model, read (its values are the runner's decoder's to check)."""
+    if not isinstance(body, dict) or not isinstance(body.get("text_input"), str):
+        raise InvalidInputError("the generate request must be a JSON object with a string 'text_input'")
+    unknown = set(body) - _INPUTS - SAMPLING_KEYS
+    if unknown:
+        raise InvalidInputError(f"unknown fields {shown(str(sorted(unknown)))}; send sampling parameters in 'parameters'")
+    params = body.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise InvalidInputError("'parameters' must be a JSON object")
+    sampling = {k: v for k, v in {**body, **params}.items() if k in SAMPLING_KEYS}
+    if "sampling_parameters" in body:
+        sampling.update(_json_object(body["sampling_parameters"]))
+    return GenerationInput(arrival_ns, text=body["text_input"], sampling=from_strings(sampling),
+                           priority=params.get("priority", 0), timeout_us=params.get("timeout", 0))
+
+
+def whole_text(body: dict, text: str) -> str:
+    """/generate's text_output: the prompt in front unless excluded (as Triton's vLLM backend answers)."""
+    return text if body.get("exclude_input_in_output", False) else body["text_input"] + text
 
 
 def _json_object(raw) -> dict:
@@ -156,8 +164,8 @@ def _json_object(raw) -> dict:
     return value
 
 
-def _answer(mv, text: str, event) -> dict:
-    out = {"model_name": mv.name, "model_version": str(mv.version), "text_output": text}
+def answer(model: str, version, text: str, event) -> dict:
+    out = {"model_name": model, "model_version": str(version), "text_output": text}
     if event.finish_reason is not None:
         out["finish_reason"] = event.finish_reason
         out["usage"] = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens}

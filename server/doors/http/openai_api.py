@@ -29,7 +29,7 @@ from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
 from server.doors.http import choices, streaming
 from server.doors.http.body import read_body
-from server.doors.http.chat import ChatTemplate, checked_messages
+from server.doors.http.chat import Templates
 from server.doors.http.errors import message_of, openai_body, openai_error, status_of
 from server.doors.http.tensors import parse_json
 from server.observability.tracing import doors as trace_doors
@@ -62,7 +62,7 @@ class OpenAIRoutes:
     def __init__(self, registry: Registry, body_limit: int, tracing: TraceControl | None = None):
         self.registry, self.body_limit = registry, body_limit
         self.tracing = tracing or TraceControl()
-        self._templates: dict[tuple[str, int], tuple[object, ChatTemplate | None]] = {}  # (runner, template) per version
+        self.templates = Templates(registry.root)
 
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self.models, methods=["GET"]),
@@ -104,40 +104,35 @@ class OpenAIRoutes:
 
     async def _completions(self, body: dict, arrival: int, traced) -> Response:
         wanted = choices.counts(body, completions=True)
-        mv = serving(self.registry, _model(body), "", GENERATE)
-        text, ids = _prompt(body.get("prompt"))
-        given = GenerationInput(arrival, text=text, token_ids=ids, sampling=_sampling(body, _completion_logprobs(body)))
+        mv = serving(self.registry, model_of(body), "", GENERATE)
+        text, ids = prompt_of(body.get("prompt"))
+        given = GenerationInput(arrival, text=text, token_ids=ids, sampling=sampling_of(body, completion_logprobs(body)))
         decoded = mv.runner.decode(given)
-        reply = _Reply("cmpl", "text_completion", mv.name, chat=False)
+        reply = Reply("cmpl", "text_completion", mv.name, chat=False)
         echo = decoded.prompt_text if body.get("echo") else ""
         return await self._answer(mv, decoded, body, reply, echo, wanted, traced)
 
     async def _chat_completions(self, body: dict, arrival: int, traced) -> Response:
         wanted = choices.counts(body, completions=False)
-        mv = serving(self.registry, _model(body), "", GENERATE)
-        template = self._template(mv)
-        if template is None:
-            raise InvalidInputError(f"model '{mv.name}' has no chat template (chat_template in tokenizer_config.json); "
-                                    "use /v1/completions with a prompt")
-        prompt = template.render(checked_messages(body.get("messages")), bool(body.get("add_generation_prompt", True)))
-        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=_sampling(body, _chat_logprobs(body))))
-        reply = _Reply("chatcmpl", "chat.completion", mv.name, chat=True)
+        mv = serving(self.registry, model_of(body), "", GENERATE)
+        prompt = self.templates.prompt(mv, body.get("messages"), bool(body.get("add_generation_prompt", True)))
+        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=sampling_of(body, chat_logprobs(body))))
+        reply = Reply("chatcmpl", "chat.completion", mv.name, chat=True)
         return await self._answer(mv, decoded, body, reply, "", wanted, traced)
 
-    async def _answer(self, mv, decoded, body: dict, reply: _Reply, echo: str, wanted: choices.ChoiceCounts,
+    async def _answer(self, mv, decoded, body: dict, reply: Reply, echo: str, wanted: choices.ChoiceCounts,
                       traced=None) -> Response:
         """`traced`: the request's GenerationTrace (its request id the reply's), or None when not sampled."""
+        wrap = None
         if traced is not None:
             traced.started(mv.version, reply.id, decoded.sampling, wanted.best_of)
-        generations = await choices.start(mv.runner, choices.variants(decoded, wanted.best_of, wanted.ranked))
-        if traced is not None:
-            generations = [traced.wrap(generation) for generation in generations]
-        reply.echo = len(echo)
-        asked = decoded.sampling.logprobs is not None
+            wrap = traced.wrap
         if not body.get("stream"):
-            generated = await choices.collect(generations)
-            kept = choices.best(generated, wanted.n) if wanted.ranked else generated
-            return JSONResponse(reply.whole(echo, kept, [c.last for c in generated], asked))
+            return JSONResponse(await whole_answer(mv.runner, decoded, reply, echo, wanted, wrap))
+        generations = await choices.start(mv.runner, choices.variants(decoded, wanted.best_of, wanted.ranked))
+        if wrap is not None:
+            generations = [wrap(generation) for generation in generations]
+        reply.echo = len(echo)
         options = body.get("stream_options") or {}
         usage = bool(options.get("include_usage")) if isinstance(options, dict) else False
 
@@ -162,23 +157,24 @@ class OpenAIRoutes:
         return StreamingResponse(chunks(), media_type="text/event-stream", headers=streaming.SSE_HEADERS)
 
     async def _body(self, request: Request) -> dict:
-        body = parse_json(await read_body(request, self.body_limit))
-        if not isinstance(body, dict):
-            raise InvalidInputError("the request body must be a JSON object")
-        unknown = set(body) - set(_SAMPLING) - _IGNORED
-        if unknown:
-            raise InvalidInputError(f"unsupported fields {sorted(unknown)[:10]}")
-        return body
-
-    def _template(self, mv) -> ChatTemplate | None:
-        cached = self._templates.get((mv.name, mv.version))
-        if cached is None or cached[0] is not mv.runner:  # a reload gives a new runner: read the folder again
-            cached = (mv.runner, ChatTemplate.from_folder(self.registry.root / mv.name / str(mv.version)))
-            self._templates[(mv.name, mv.version)] = cached
-        return cached[1]
+        return checked_body(parse_json(await read_body(request, self.body_limit)))
 
 
-class _Reply:
+async def whole_answer(runner, decoded, reply: Reply, echo: str, wanted: choices.ChoiceCounts, wrap=None) -> dict:
+    """The whole (not streamed) answer: every choice run to its end, the best kept, OpenAI's object.
+
+    `runner` is anything with the runner's `generate(decoded)` (ferry batch's gRPC upstream is one);
+    `wrap(generation)`, when given, watches each choice's generation (a trace's)."""
+    generations = await choices.start(runner, choices.variants(decoded, wanted.best_of, wanted.ranked))
+    if wrap is not None:
+        generations = [wrap(generation) for generation in generations]
+    reply.echo = len(echo)
+    generated = await choices.collect(generations)
+    kept = choices.best(generated, wanted.n) if wanted.ranked else generated
+    return reply.whole(echo, kept, [c.last for c in generated], decoded.sampling.logprobs is not None)
+
+
+class Reply:
     """OpenAI's response and chunk objects for one request (one id, one creation time), each choice by index."""
 
     def __init__(self, prefix: str, kind: str, model: str, chat: bool):
@@ -237,14 +233,24 @@ def _usage(finals: list) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _model(body: dict) -> str:
+def checked_body(body) -> dict:
+    """A request body this API reads: a JSON object of known fields."""
+    if not isinstance(body, dict):
+        raise InvalidInputError("the request body must be a JSON object")
+    unknown = set(body) - set(_SAMPLING) - _IGNORED
+    if unknown:
+        raise InvalidInputError(f"unsupported fields {sorted(unknown)[:10]}")
+    return body
+
+
+def model_of(body: dict) -> str:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidInputError("'model' must name a generation model (GET /v1/models lists them)")
     return model
 
 
-def _prompt(prompt) -> tuple[str | None, list[int] | None]:
+def prompt_of(prompt) -> tuple[str | None, list[int] | None]:
     """A string, a list of token ids, or a one-element list of either (batches are not supported)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
@@ -259,13 +265,13 @@ def _chat_logprob(value) -> dict:
     return {"token": value.token, "logprob": value.logprob, "bytes": list(value.token.encode())}
 
 
-def _completion_logprobs(body: dict):
+def completion_logprobs(body: dict):
     """Completions' `logprobs` is the number of alternatives (0: the sampled token's only); the decoder checks it."""
     value = body.get("logprobs")
     return None if value is None or value is False else value
 
 
-def _chat_logprobs(body: dict):
+def chat_logprobs(body: dict):
     """Chat asks with `logprobs: true` and counts alternatives with `top_logprobs` (OpenAI's rules)."""
     asked, top = body.get("logprobs"), body.get("top_logprobs")
     if asked not in (None, True, False):
@@ -277,7 +283,7 @@ def _chat_logprobs(body: dict):
     return 0 if top is None else top
 
 
-def _sampling(body: dict, logprobs=None) -> dict:
+def sampling_of(body: dict, logprobs=None) -> dict:
     sampling = {"temperature": 1.0}  # OpenAI's default; send 0 for greedy
     for field, key in _SAMPLING.items():
         if body.get(field) is not None:
