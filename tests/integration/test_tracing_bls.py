@@ -5,7 +5,7 @@ request: `exec()` to `simple` (with `trace=request.trace()` and a request id of 
 decoupled=True)` to the decoupled `repeat_int32` (no `trace=`: the execute's traced request parents
 it) and a streamed generation from `tiny_llama`. A second model calls the first through BLS, so its
 calls are grandchildren; a third runs the same code with tracing turned off for it (its BLS calls are
-traced nowhere). Once the server has stopped cleanly the file is parsed as test_tracing.py parses it:
+traced nowhere); a decoupled model called over ModelStreamInfer makes one call from its stream. Once the server has stopped cleanly the file is parsed as test_tracing.py parses it:
 Triton's layout, `parent_id` links, the called models' names and versions, timestamps in order and
 within the caller's request. OpenTelemetry's child spans are checked in test_tracing_otel.py.
 """
@@ -85,6 +85,20 @@ class TritonPythonModel:
             responses.append(pb_utils.InferenceResponse(called.output_tensors()))
         return responses
 '''
+# Decoupled: answers through its response sender, after a BLS call (its request came on ModelStreamInfer).
+STREAMING = """
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            inputs = [pb_utils.get_input_tensor_by_name(request, n) for n in ("INPUT0", "INPUT1")]
+            summed = pb_utils.InferenceRequest(model_name="simple", inputs=inputs, requested_output_names=["OUTPUT0"]).exec()
+            request.get_response_sender().send(pb_utils.InferenceResponse(summed.output_tensors()),
+                                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
 CONFIG = """
 name: "{name}"
 backend: "python"
@@ -96,10 +110,14 @@ output [{{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1, 16 ] }}, {{ name: "
 
 
 def write_models(repo, *names: str) -> None:
+    sources = {"touter": OUTER, "tstream": STREAMING}
     for name in names:
         (repo / name / "1").mkdir(parents=True)
-        (repo / name / "1" / "model.py").write_text(OUTER if name == "touter" else BLS)
-        (repo / name / "config.pbtxt").write_text(CONFIG.format(name=name))
+        (repo / name / "1" / "model.py").write_text(sources.get(name, BLS))
+        config = CONFIG.format(name=name)
+        if name == "tstream":
+            config += "model_transaction_policy { decoupled: true }\n"
+        (repo / name / "config.pbtxt").write_text(config)
 
 
 def infer(server, model: str, request_id: str) -> dict[str, np.ndarray]:
@@ -112,7 +130,7 @@ def infer(server, model: str, request_id: str) -> dict[str, np.ndarray]:
 def bls_run(tmp_path_factory) -> dict:
     repo = tmp_path_factory.mktemp("repo")
     link_shipped_models(repo, "simple", "repeat_int32", "tiny_llama")
-    write_models(repo, "tbls", "touter", "tquiet")
+    write_models(repo, "tbls", "touter", "tquiet", "tstream")
     path = tmp_path_factory.mktemp("traces") / "trace.json"
     server = RunningServer(repo, "--trace-config", f"triton,file={path}", "--trace-config", "level=TIMESTAMPS",
                            "--trace-config", "rate=1", "--allow-trace-settings")
@@ -123,6 +141,8 @@ def bls_run(tmp_path_factory) -> dict:
         seen["bls"] = infer(server, "tbls", "bls-0")
         seen["outer"] = infer(server, "touter", "outer-0")
         seen["quiet"] = infer(server, "tquiet", "quiet-0")
+        request = kserve.request("tstream", {"INPUT0": X, "INPUT1": np.ones((1, 16), np.float32)}, request_id="stream-0")
+        seen["stream"] = list(kserve.stub(server.channel).ModelStreamInfer(iter([request]), timeout=120))
     finally:
         assert server.stop() == 0
     seen["traces"] = read_traces(path)
@@ -197,5 +217,17 @@ def test_an_untraced_requests_bls_calls_are_not_traced(bls_run):
     parents = {t["header"]["id"] for t in traces.values()}
     assert all(t["header"]["parent_id"] in parents for t in traces.values() if "parent_id" in t["header"])
     assert sorted(t["header"]["model_name"] for t in traces.values()) == sorted(
-        ["tbls", "touter", "tbls"] + ["simple", "repeat_int32", "tiny_llama"] * 2)
+        ["tbls", "touter", "tbls", "tstream", "simple"] + ["simple", "repeat_int32", "tiny_llama"] * 2)
     assert int(bls_run["quiet"]["PIECES"][0]) >= 1 and int(bls_run["quiet"]["REPEATS"][0]) == len(REPEATS)
+
+
+def test_a_decoupled_models_bls_call_is_a_child_of_its_streamed_request(bls_run):
+    [response] = bls_run["stream"]
+    assert kserve.outputs(response.infer_response)["OUTPUT0"].tolist() == (X + 1).tolist()
+    traces = bls_run["traces"]
+    caller = root(traces, "stream-0")
+    assert caller["header"]["model_name"] == "tstream"
+    [called] = children_of(traces, caller).values()
+    assert called["header"]["model_name"] == "simple" and called["header"]["request_id"] == "stream-0"
+    assert_ordered(called, STEP_ORDER)
+    assert dict(caller["stamps"])["COMPUTE_START"] <= dict(called["stamps"])["REQUEST_START"]
