@@ -131,7 +131,8 @@ class Worker:
                 t2 = time.monotonic_ns()
                 self._check(outputs)
                 split = self.assembler.split(batch, outputs)
-                result, error = BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count), None
+                result = BatchResult(split, input_ns, t2 - t1, time.monotonic_ns() - t2, pad_count, t1 - input_ns, t1)
+                error = None
             except FerryError as exc:
                 result, error = None, exc
             except Exception as exc:  # noqa: BLE001 - a model failure fails its own batch, never the server
@@ -165,7 +166,7 @@ class Worker:
                 except FerryError as exc:
                     answer = exc
             checked.append(answer)
-        return BatchResult(checked, 0, t2 - t1, time.monotonic_ns() - t2)
+        return BatchResult(checked, 0, t2 - t1, time.monotonic_ns() - t2, PadCount(), t1, t1)  # no assembly: sent as they came
 
     def _check(self, outputs: dict[str, np.ndarray], names: tuple[str, ...] = (), strict_types: bool = True) -> None:
         """Every output asked for is there; with `strict_types`, in the declared datatype. Triton's Python

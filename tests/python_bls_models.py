@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Tokens asked of the generation a cancelled request's BLS call runs: no CPU decodes them within the
+# test's bounds, so only a working cancel ends it (the test's "tllm" has room for them).
+ENDLESS_TOKENS = 60_000
+
 # Response parameters of each kind; a negative X sets a float parameter, which Triton refuses.
 PARAMS = '''
 import numpy as np
@@ -135,7 +139,8 @@ output [{ name: "text_output", data_type: TYPE_STRING, dims: [ -1 ] }, { name: "
 """
 
 # BLS whose callers go away: MODE 0 calls the gated model "tgated" (queued behind a request the test
-# holds), MODE 1 streams a long generation from "tllm" and marks `<flag>.streaming` at its first piece.
+# holds), MODE 1 streams a generation of `max_tokens` (the config's) from "tllm", eos ignored, and
+# marks `<flag>.streaming` at its first piece.
 # What each BLS call ended with (its error code, or "ok") is counted in `test_bls_outcome`. Decoupled
 # ("tcancel_bls_stream"), it answers through its response sender.
 CANCEL_BLS = '''
@@ -148,6 +153,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.flag = config["parameters"]["flag"]["string_value"]
+        self.max_tokens = int(config["parameters"]["max_tokens"]["string_value"])
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.outcome = pb_utils.MetricFamily("test_bls_outcome", "How the BLS calls of cancelled requests ended",
                                              pb_utils.MetricFamily.COUNTER)
@@ -160,7 +166,7 @@ class TritonPythonModel:
                                                requested_output_names=["Y"]).exec()
             self.count(called, request)
         else:
-            sampling = json.dumps({"temperature": 0, "max_tokens": 400, "ignore_eos": True})
+            sampling = json.dumps({"temperature": 0, "max_tokens": self.max_tokens, "ignore_eos": True})
             inputs = [pb_utils.Tensor("text_input", np.array([b"the ferry leaves"], np.object_)),
                       pb_utils.Tensor("stream", np.array([True], np.bool_)),
                       pb_utils.Tensor("sampling_parameters", np.array([sampling.encode()], np.object_))]
@@ -190,6 +196,7 @@ max_batch_size: 0
 input [{{ name: "MODE", data_type: TYPE_INT32, dims: [ 1 ] }}]
 output [{{ name: "Y", data_type: TYPE_INT32, dims: [ 1 ] }}]
 parameters: {{ key: "flag", value: {{ string_value: "{flag}" }} }}
+parameters: {{ key: "max_tokens", value: {{ string_value: "{ENDLESS_TOKENS}" }} }}
 """
 
 

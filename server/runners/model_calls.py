@@ -9,6 +9,8 @@ with `exec(decoupled=True)` streams its responses back one by one; a batching mo
 answers once; a generation model's call is read as ModelStreamInfer reads Triton's vLLM tensors
 (runners/generation_tensors.py) and run by its own runner. Each call is a task whose future the model
 process holds: cancelling it (the callers of the request that made it left) cancels the call where it is.
+A call made while a traced request executes is traced as that request's child (`parent_id`), as an
+ensemble step is: REQUEST_START here, the called runner's own timestamps, REQUEST_END once answered.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from server.observability.custom_metrics import CustomMetrics
 from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, ModelNotFoundError,
                            ModelUnavailableError, QueueFullError, UnsupportedError)
 from server.observability.metrics import ModelProcessRestarts
+from server.observability.tracing.doors import GenerationTrace
+from server.observability.tracing.record import call_trace, ended
 from server.request import InferRequest, parameters_of
 from server.runners import generation_tensors
 from server.runners.base import DECOUPLED, GENERATE
@@ -57,21 +61,29 @@ class ModelCalls:
         self.loop, self.lookup, self.control_ = loop, lookup, control
         self.restarts, self.custom = restarts, custom
 
-    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None = None) -> Future:
-        """`deadline_ns`: the calling requests' deadline, which the call inherits (with its own timeout).
-        Cancelling the returned future (the callers of the request that made it left) cancels the call in
-        the called model's runner (a queued request never runs, a generation stops) and answers it CANCELLED."""
-        running = asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns), self.loop)
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None = None,
+             parent=None) -> Future:
+        """`deadline_ns`: the calling requests' deadline, which the call inherits (with its own timeout);
+        `parent`: the calling request's trace, when it is traced. Cancelling the returned future (the
+        callers of the request that made it left) cancels the call in the called model's runner (a queued
+        request never runs, a generation stops) and answers it CANCELLED."""
+        running = asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns, parent), self.loop)
         running.add_done_callback(lambda done: done.cancelled() and answer(None, (p.CANCELLED, _CANCELLED), True))
         return running
 
-    async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None) -> None:
+    async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None,
+                    parent) -> None:
+        trace, error = None, None
         try:
             model = self.lookup(call.model, call.version)
+            if parent is not None:  # the calling request is traced: this call is its child
+                trace = call_trace(parent, model.name, model.runner.version, call.request_id,
+                                   started=model.runner.serves != GENERATE)
             if model.runner.serves == GENERATE:
-                await _generate(model, call, inputs, answer, deadline_ns)
+                await _generate(model, call, inputs, answer, deadline_ns, trace)
                 return
             request = _request(model, call, inputs, deadline_ns)
+            request.trace = trace
             del inputs
             if model.runner.serves == DECOUPLED:
                 if not call.decoupled:
@@ -87,10 +99,18 @@ class ModelCalls:
             else:
                 answer(_wanted(outputs, call), None, True, parameters_of(outputs))
         except FerryError as exc:
+            error = exc.message
             answer(None, (code_of(exc), exc.message), True)
+        except asyncio.CancelledError:
+            error = _CANCELLED
+            raise
         except Exception as exc:  # the caller must hear back whatever went wrong here
             log.exception("BLS call to model '%s' failed unexpectedly", call.model)
-            answer(None, (p.INTERNAL, f"{type(exc).__name__}: {exc}"), True)
+            error = f"{type(exc).__name__}: {exc}"
+            answer(None, (p.INTERNAL, error), True)
+        finally:
+            if trace is not None:
+                ended(trace, error)
 
     def control(self, op: str, name: str, version: str, config: str, files: dict, answer: Answer) -> Future:
         return asyncio.run_coroutine_threadsafe(self._control(op, name, version, config, files, answer), self.loop)
@@ -137,16 +157,25 @@ def _wanted(outputs: dict[str, np.ndarray], call: p.Call) -> dict[str, np.ndarra
     return {name: outputs[name] for name in call.requested if name in outputs} if call.requested else dict(outputs)
 
 
-async def _generate(model, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, inherited_ns: int | None) -> None:
+async def _generate(model, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, inherited_ns: int | None,
+                    trace) -> None:
     """A call to a generation model, read as ModelStreamInfer reads Triton's vLLM tensors and run by the
     model's own runner: `exec()` gets the whole text, `exec(decoupled=True)` one answer per piece when
-    `stream` is true (else one), then the final empty one. The finish reason rides as a response parameter."""
+    `stream` is true (else one), then the final empty one. The finish reason rides as a response parameter.
+    `trace`: the call's, when traced: a generation's timestamps (FIRST_TOKEN, one per token), as a stream's."""
     if call.requested:
         model.signature.check_outputs(call.requested)
-    read = generation_tensors.read(call.model, inputs, call.parameters, time.monotonic_ns(), inherited_ns,
-                                   call.timeout_us)
+    arrival = time.monotonic_ns()
+    read = generation_tensors.read(call.model, inputs, call.parameters, arrival, inherited_ns, call.timeout_us)
+    observe = None
+    if trace is not None:
+        def observe(decoded):
+            generation = GenerationTrace(trace, arrival, stream=True)
+            generation.started(trace.model_version, trace.request_id, decoded.sampling)
+            return generation.event
+
     async with contextlib.aclosing(generation_tensors.answers(
-            model.runner, read if call.decoupled else generation_tensors.whole(read))) as answers:
+            model.runner, read if call.decoupled else generation_tensors.whole(read), observe)) as answers:
         async for text in answers:
             params = {"finish_reason": text.finish_reason} if text.finish_reason else None
             answer(_wanted(text.outputs, call), None, not call.decoupled, params)

@@ -36,8 +36,10 @@ def served(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     flag, gate = repo.parent / "bls.flag", repo.parent / "bls.gate"
     python_bls_models.build(repo, flag)
-    llm_builders.build_model(repo / "tllm" / "1", "llama")
-    (repo / "tllm" / "config.yaml").write_text(llm_builders.llm_config())
+    # Room for a generation no CPU finishes within the tests' bounds (python_bls_models.ENDLESS_TOKENS).
+    llm_builders.build_model(repo / "tllm" / "1", "llama", max_positions=python_bls_models.ENDLESS_TOKENS + 64)
+    (repo / "tllm" / "config.yaml").write_text(
+        llm_builders.llm_config(block_size=16, num_kv_blocks=python_bls_models.ENDLESS_TOKENS // 16 + 64))
     builders.gated_model(repo, "tgated", gate=gate, max_batch_size=1)
     builders.add_sub(repo / "tloaded" / "1" / "model.onnx")
     (repo / "tloaded" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n')
@@ -166,6 +168,8 @@ def test_a_queued_bls_call_of_a_request_whose_caller_left_never_runs(served, how
 
 
 def test_a_generation_a_cancelled_request_called_by_bls_stops(served):
+    """The generation asks for ENDLESS_TOKENS, eos ignored: it cannot end by itself within the bounds
+    here, so only the cancel that follows the BLS call ends it, counted CANCELED and never a success."""
     labels = {"model": "tllm", "version": "1"}
     succeeded = served.metric("nv_inference_request_success", **labels) or 0.0
     cancelled = served.metric("nv_inference_request_failure", reason="CANCELED", **labels) or 0.0
@@ -174,9 +178,10 @@ def test_a_generation_a_cancelled_request_called_by_bls_stops(served):
     wait_for(lambda: Path(str(served.flag) + ".streaming").exists(), 120, "the generation to stream")
     result = _finish(proc, cancel=True)
     assert result["answered"] is False and "cancel" in result["error"].lower(), result
-    wait_for(lambda: served.metric("nv_inference_request_failure", reason="CANCELED", **labels) == cancelled + 1, 60,
+    wait_for(lambda: served.metric("nv_inference_request_failure", reason="CANCELED", **labels) == cancelled + 1, 120,
              "the generation to be cancelled")
-    assert served.metric("nv_inference_request_success", **labels) == succeeded  # it never ran to its 400 tokens
+    assert served.metric("nv_inference_request_success", **labels) == succeeded  # it never ran to its end
+    served.wait_for_metric("ferry_generation_running", 0, timeout_s=120, model="tllm")  # it left the running batch
 
 
 # ---- 4. load_model with a config and files

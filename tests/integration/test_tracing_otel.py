@@ -5,7 +5,9 @@ opentelemetry-proto. Checked: a client's W3C traceparent (HTTP header, gRPC meta
 request's span; the request span has queue / compute / send children and links to its batch's span;
 requests that rode one batch link to the same batch span; a generation span carries the GenAI
 attributes, an OpenAI completion's too (under the client's traceparent header); each request on a
-ModelStreamInfer stream is a span under the stream's traceparent; once the collector is gone, requests still succeed and the lost spans are counted.
+ModelStreamInfer stream is a span under the stream's traceparent; a Python model's BLS call is a child
+span of its caller's request span; once the collector is gone, requests still succeed and the lost
+spans are counted.
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ httpclient = pytest.importorskip("tritonclient.http")
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 HTTP_PARENT, GRPC_PARENT = "00f067aa0ba902b7", "a3ce929d0e0e4736"
 OPENAI_PARENT, STREAM_PARENT = "b7ad6b7169203331", "0af7651916cd43dd"
+BLS_CALLER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X")
+            called = pb_utils.InferenceRequest(model_name="gated", inputs=[x], requested_output_names=["Y"]).exec()
+            responses.append(pb_utils.InferenceResponse([pb_utils.get_output_tensor_by_name(called, "Y")]))
+        return responses
+"""
 
 
 class Collector:
@@ -96,6 +112,11 @@ def otel(tmp_path_factory):
     gate = repo / "gate"
     builders.gated_model(repo, "gated", "dynamic_batching: {}\n", gate=gate)
     link_shipped_models(repo, "tiny_llama")
+    (repo / "bls_caller" / "1").mkdir(parents=True)
+    (repo / "bls_caller" / "1" / "model.py").write_text(BLS_CALLER)
+    (repo / "bls_caller" / "config.yaml").write_text("backend: python\nmax_batch_size: 0\n"
+                                                     "input: [{name: X, data_type: TYPE_FP32, dims: [1, 2]}]\n"
+                                                     "output: [{name: Y, data_type: TYPE_FP32, dims: [1, 2]}]\n")
     collector = Collector()
     server = RunningServer(repo, "--trace-config", "mode=opentelemetry", "--trace-config", f"opentelemetry,url={collector.url}",
                            "--trace-config", "opentelemetry,resource=deployment.environment=test",
@@ -211,6 +232,27 @@ def test_each_request_on_a_stream_is_a_span_under_the_streams_traceparent(otel):
         assert span.trace_id.hex() == TRACE_ID and span.parent_span_id.hex() == STREAM_PARENT
         assert {"GRPC_WAITREAD_START", "QUEUE_START", "COMPUTE_START", "GRPC_SEND_END"} <= {e.name for e in span.events}
         assert len(span.links) == 1  # the batch it rode in
+
+
+def test_a_bls_call_is_a_child_span_of_its_callers_request_span(otel):
+    inputs = {"X": np.full((1, 2), 3.0, np.float32)}
+    answer = kserve.stub(otel.channel).ModelInfer(kserve.request("bls_caller", inputs, request_id="otel-bls"), timeout=60,
+                                                  metadata=(("traceparent", f"00-{TRACE_ID}-{GRPC_PARENT}-01"),))
+    assert kserve.outputs(answer)["Y"].tolist() == [[3.0, 3.0]]
+    collector = otel.collector
+
+    def spans(model: str) -> list:
+        return collector.find(lambda s: attributes(s.attributes).get("request_id") == "otel-bls"
+                              and attributes(s.attributes).get("model_name") == model)
+
+    wait_for(lambda: spans("bls_caller") and spans("gated"), what="the caller's span and its BLS call's")
+    [caller], [called] = spans("bls_caller"), spans("gated")
+    assert caller.parent_span_id.hex() == GRPC_PARENT and called.trace_id.hex() == TRACE_ID
+    assert called.name == "infer gated" and called.parent_span_id == caller.span_id
+    assert attributes(called.attributes)["parent_id"] == attributes(caller.attributes)["trace_id"]
+    assert {"REQUEST_START", "QUEUE_START", "COMPUTE_START", "REQUEST_END"} <= {e.name for e in called.events}
+    assert caller.start_time_unix_nano <= called.start_time_unix_nano <= called.end_time_unix_nano
+    wait_for(lambda: {"queue", "compute"} <= set(children(collector, called)), what="the BLS call's queue and compute")
 
 
 def test_a_collector_that_is_down_costs_no_request(otel):

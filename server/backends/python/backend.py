@@ -220,7 +220,7 @@ class PythonBackend(Backend):
     def responses(self, request: InferRequest, stop: threading.Event):
         """A decoupled request: its responses (dicts of outputs) as the model sends them."""
         process = self._alive()
-        call, answers = process.stream(self._request(process, request, request.inputs))
+        call, answers = process.stream(self._request(process, request, request.inputs), request.trace)
         self._in_flight += 1
         self._streaming = (process, call)
         try:

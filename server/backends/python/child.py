@@ -192,7 +192,7 @@ class Host:
     def _exec(self, call: int, requests: list[p.Request], freed: list[int]) -> None:
         self._free_ours(freed)
         self._current = call
-        built = [self._request(r, call) for r in requests]
+        built = [self._request(r, call, i) for i, r in enumerate(requests)]
         try:
             replies = [self._reply(r) for r in self.face.run(built)]
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
@@ -242,7 +242,7 @@ class Host:
         version = "" if request.model_version in (-1, "", None) else str(request.model_version)
         sent = p.Call(request.model_name, version, [self._put(t.name(), t.as_numpy()) for t in request.inputs()],
                       tuple(request.requested_output_names()), json.loads(request.parameters()), request.request_id(),
-                      int(request.timeout()), decoupled)
+                      int(request.timeout()), decoupled, _trace_ref(request.trace()))
         self._wanted.set()
         self.link.send((p.CALL, ref, sent, self._current))  # the execute it is made for: its deadline
         if decoupled:
@@ -293,10 +293,10 @@ class Host:
                 for offset in offsets:
                     self._blocks.free(offset)
 
-    def _request(self, request: p.Request, call: int) -> pb.InferenceRequest:
+    def _request(self, request: p.Request, call: int, index: int = 0) -> pb.InferenceRequest:
         inputs = [pb.Tensor(t.name, self._view(t)) for t in request.inputs]
         return pb.InferenceRequest("", inputs, list(request.requested), request.id, request.correlation_id,
-                                   request.flags, parameters=request.parameters, _call=call)
+                                   request.flags, parameters=request.parameters, _call=call, _index=index)
 
     def _reply(self, response) -> p.Reply:
         if isinstance(response, pb.TritonError):
@@ -331,6 +331,11 @@ class _Responses:
         if item is _END:
             raise StopIteration
         return item
+
+
+def _trace_ref(trace) -> tuple[int, int] | None:
+    """Which request's trace parents a BLS call (`trace=request.trace()`); None: the execute's own."""
+    return trace._ref if isinstance(trace, pb.InferenceTrace) else None
 
 
 def _message(exc: BaseException) -> str:

@@ -217,13 +217,27 @@ class InferenceResponseSender:
         return self._host.cancelled(self._call)
 
 
+class InferenceTrace:
+    """A request's trace, as `request.trace()` gives it: passed as `InferenceRequest(trace=...)`, it makes
+    the BLS call's trace a child of that request's (the request it serves, in a batch of several). A call
+    made without one is a child of the first traced request of the execute that made it."""
+
+    def __init__(self, call: int, index: int):
+        self._ref = (call, index)  # the EXEC or STREAM call, the request's place in it
+
+    def get_context(self, mode: str = "opentelemetry") -> str | None:
+        """Triton gives the OpenTelemetry context to model code here; Ferry keeps it in the server: None."""
+        return None
+
+
 class InferenceRequest:
     """A request given to execute, or (built by model code) a BLS request to another model."""
 
     def __init__(self, model_name: str = "", inputs: list[Tensor] | None = None,
                  requested_output_names: list[str] | None = None, request_id: str = "", correlation_id=0,
                  flags: int = 0, timeout: int = 0, model_version: int = -1, parameters: dict | None = None,
-                 preferred_memory=None, trace=None, _call: int | None = None):
+                 preferred_memory=None, trace: InferenceTrace | None = None, _call: int | None = None,
+                 _index: int = 0):
         self.model_name = model_name.decode() if isinstance(model_name, bytes) else str(model_name)  # a BYTES element
         self.model_version = model_version
         self._inputs = list(inputs or [])
@@ -232,6 +246,7 @@ class InferenceRequest:
         # a request given to execute carries the client's parameters as they came (a double too)
         self._parameters = dict(parameters or {}) if _call is not None else _checked_parameters(parameters)
         self._call = _call  # set on requests handed to execute: which call of the server they belong to
+        self._trace = InferenceTrace(_call, _index) if _call is not None else trace
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -256,6 +271,9 @@ class InferenceRequest:
 
     def is_cancelled(self) -> bool:
         return self._call is not None and _the_host().cancelled(self._call)
+
+    def trace(self) -> InferenceTrace | None:
+        return self._trace
 
     def get_response_sender(self) -> InferenceResponseSender:
         if self._call is None:

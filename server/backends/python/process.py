@@ -41,7 +41,8 @@ _LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging
 class Calls(Protocol):
     """What a model process asks of the server (server/runners/model_calls.py answers)."""
 
-    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Callable, deadline_ns: int | None) -> Future: ...
+    def call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Callable, deadline_ns: int | None,
+             parent=None) -> Future: ...
     def control(self, op: str, name: str, version: str, config: str, files: dict, answer: Callable) -> None: ...
     def metric(self, model: str, version: int, update: tuple) -> None: ...
     def restarted(self, model: str, version: int) -> None: ...
@@ -63,6 +64,7 @@ class ModelProcess:
         self._checks: dict[int, queue.Queue] = {}  # is_ready() calls waiting for their answer
         self._deadlines: dict[int, int] = {}  # EXEC call -> its requests' deadline, which its BLS calls inherit
         self._made: dict[int, _Made] = {}  # EXEC or STREAM call -> its callers and the BLS calls it made
+        self._traces: dict[int, list] = {}  # EXEC or STREAM call with a traced request -> its requests' traces
         self.proc: subprocess.Popen | None = None
         self.link: FrameSocket | None = None
         self.arena: Arena | None = None
@@ -110,6 +112,7 @@ class ModelProcess:
         if deadline_ns is not None:
             self._deadlines[call] = deadline_ns
         self.follow(call, callers)
+        self._traced(call, callers)
         try:
             if frame_kind == p.EXEC:
                 self._send((frame_kind, call, *body, self._take_freed()))
@@ -120,6 +123,7 @@ class ModelProcess:
             self._waiting.pop(call, None)
             self._deadlines.pop(call, None)
             self._made.pop(call, None)
+            self._traces.pop(call, None)
         if isinstance(answer, ProcessDied):
             raise answer
         return answer
@@ -133,17 +137,21 @@ class ModelProcess:
         if deadline_ns is not None:
             self._deadlines[call] = deadline_ns
         self.follow(call, callers)
-        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines, self._made)
+        self._traced(call, callers)
+        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines, self._made, self._traces)
         if self.death is not None:  # it died between the check and the entry: the reader may have passed it
             reply.put(ProcessDied(self.death))
             return
         self._send((frame_kind, call, body, self._take_freed()))
 
-    def stream(self, request: p.Request):
-        """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id."""
+    def stream(self, request: p.Request, trace=None):
+        """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id.
+        `trace`: the request's, when it is traced (its BLS calls' traces are its children)."""
         call = next(self._ids)
         answers = self._wait_on(call)
         self._made[call] = _Made(1)
+        if trace is not None:
+            self._traces[call] = [trace]
         self._send((p.STREAM, call, request, self._take_freed()))
         return call, self._answers(call, answers)
 
@@ -161,6 +169,7 @@ class ModelProcess:
         finally:
             self._waiting.pop(call, None)
             self._made.pop(call, None)
+            self._traces.pop(call, None)
 
     def is_ready(self, timeout_s: float) -> bool:
         """The model's is_ready(), answered within `timeout_s` or taken as "not ready" (Triton's 5 s)."""
@@ -197,6 +206,24 @@ class ModelProcess:
 
         for request in callers:
             request.caller_left = left
+
+    def _traced(self, call: int, callers: list) -> None:
+        """Keep the traces of an EXEC's requests while it runs, when one is traced: the BLS calls it
+        makes are traced as their children (an untraced batch keeps nothing)."""
+        for request in callers:
+            if request.trace is not None:
+                self._traces[call] = [r.trace for r in callers]
+                return
+
+    def _parent(self, call: int, given: tuple[int, int] | None):
+        """The trace a BLS call made by EXEC or STREAM `call` is a child of: the request's that model code
+        named (`trace=request.trace()`), else the call's first traced request's; None when untraced."""
+        if not self._traces:
+            return None
+        if given is not None:
+            traces = self._traces.get(given[0])
+            return traces[given[1]] if traces is not None and 0 <= given[1] < len(traces) else None
+        return next((t for t in self._traces.get(call, ()) if t is not None), None)
 
     def _cancel_made(self, call: int) -> None:
         """On the event loop: the call's callers are all gone."""
@@ -335,7 +362,8 @@ class ModelProcess:
             answer(None, (p.UNAVAILABLE, "the server cannot take calls from this model yet"))
         elif kind == p.CALL:
             call: p.Call = frame[2]
-            made = calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]))
+            made = calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]),
+                              self._parent(frame[3], call.trace))
             self._made_by(frame[3], made)
         elif kind == p.CONTROL:
             calls.control(*frame[2:], answer)
@@ -390,13 +418,15 @@ class _Made:
 class _Reply:
     """Where a sent call's one answer goes: a function, called on the reader thread (queue-like `put`)."""
 
-    def __init__(self, call: int, waiting: dict, replied: Callable, deadlines: dict, made: dict):
+    def __init__(self, call: int, waiting: dict, replied: Callable, deadlines: dict, made: dict, traces: dict):
         self.call, self.waiting, self.replied, self.deadlines, self.made = call, waiting, replied, deadlines, made
+        self.traces = traces
 
     def put(self, answer) -> None:
         if self.waiting.pop(self.call, None) is not None:
             self.deadlines.pop(self.call, None)
             self.made.pop(self.call, None)
+            self.traces.pop(self.call, None)
             self.replied(answer)
 
 

@@ -20,7 +20,7 @@ Server -> model process:
   FINALIZE()                             finalize() and exit
   HANDOVER()                             echoed at once: the server's event loop reads the link after it
 Model process -> server:
-  CALL(ref, Call, call)                  BLS: run a request on another model's runner (for EXEC `call`)
+  CALL(ref, Call, call)                  BLS: run a request on another model's runner (for EXEC or STREAM `call`)
   CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
   METRIC(op, family, labels, value)      custom metrics: the server owns the Prometheus families
   LOG(level, message)                    pb_utils.Logger
@@ -76,3 +76,4 @@ class Call(NamedTuple):
     request_id: str
     timeout_us: int
     decoupled: bool
+    trace: tuple[int, int] | None = None  # `trace=request.trace()`: (its EXEC or STREAM call, the request's index)

@@ -133,7 +133,8 @@ class TraceControl:
         return trace
 
     def child(self, parent: Trace, model: str, version: int) -> Trace:
-        """An ensemble step's trace, written with `parent_id` (and, in OpenTelemetry, a child span)."""
+        """A child request's trace (an ensemble step, a BLS call), written with `parent_id` (and, in
+        OpenTelemetry, a child span)."""
         trace = parent.child(model, version, self._ids.__next__)
         if self.otel is not None:
             self.otel.start(trace, None)
@@ -146,7 +147,7 @@ class TraceControl:
             return
         settings = sampler.settings
         self.writer.add(settings.file, trace.entries, settings.log_frequency, sampler.counted)
-        if trace.parent is not None:  # an ensemble step: counted with its parent
+        if trace.parent is not None:  # a child request: counted with its parent
             return
         sampler.in_flight -= 1
         if sampler.counted and sampler.left == 0 and sampler.in_flight == 0:

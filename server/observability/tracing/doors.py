@@ -93,7 +93,8 @@ class GenerationTrace:
     def __init__(self, trace: r.Trace, arrival_ns: int, context=None, stream: bool = False,
                  operation: str = "text_completion"):
         """`context`: the gRPC call's (its end is GRPC_SEND_END); None: an HTTP request (`respond`).
-        `stream`: a request on ModelStreamInfer (streams.py marks its reads and sends, and ends it).
+        `stream`: a request on ModelStreamInfer (streams.py marks its reads and sends, and ends it), or a
+        BLS call, which no door sends (runners/model_calls.py ends it).
         `operation`: the GenAI operation name (`chat` for OpenAI's chat completions)."""
         self.trace = trace
         self.arrival_ns = arrival_ns

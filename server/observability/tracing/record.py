@@ -27,7 +27,8 @@ FIRST_TOKEN = "FIRST_TOKEN"  # generation: Ferry's addition; every streamed resp
 
 
 class Trace:
-    """The record of one sampled request (or one ensemble step's request, with `parent_id`)."""
+    """The record of one sampled request (or a child request: an ensemble step's or a BLS call's, with
+    `parent_id`)."""
 
     __slots__ = ("id", "model_name", "model_version", "request_id", "parent_id", "timestamps", "tensors",
                  "attributes", "span", "links", "parent", "owner", "control", "_done", "_finish", "tensor_level")
@@ -60,7 +61,7 @@ class Trace:
             self.tensors.extend((activity, name, array) for name, array in tensors.items())
 
     def child(self, model_name: str, model_version: int, new_id: Callable[[], int]) -> Trace:
-        """An ensemble step's request: its own id, `parent_id` this trace's."""
+        """A child request (an ensemble step, a BLS call): its own id, `parent_id` this trace's."""
         child = Trace(new_id(), model_name, self._finish, self.request_id, self, self.tensor_level)
         child.model_version = model_version
         return child
@@ -112,3 +113,26 @@ def step_trace(parent: Trace, model_name: str, model_version: int) -> Trace:
     child = parent.control.child(parent, model_name, model_version)
     child.mark(REQUEST_START)
     return child
+
+
+def call_trace(parent: Trace, model_name: str, model_version: int, request_id: str = "",
+               started: bool = True) -> Trace:
+    """A BLS call's trace: a child of the calling request's, as an ensemble step's is. `request_id`: the
+    call's own when model code gave one (else the caller's); `started`: REQUEST_START taken now (a
+    generation's is taken once its prompt is decoded, doors.GenerationTrace.started)."""
+    child = parent.control.child(parent, model_name, model_version)
+    if request_id:
+        child.request_id = request_id
+    if started:
+        child.mark(REQUEST_START)
+    return child
+
+
+def ended(trace: Trace, error: str | None = None) -> None:
+    """A child request is over, answered, failed or cancelled: REQUEST_END unless its runner took it
+    (a generation's last token does), and the trace goes to its writer."""
+    if error is not None:
+        trace.attributes.setdefault("error", error)
+    if trace.first(REQUEST_END) is None:
+        trace.mark(REQUEST_END)
+    trace.finish()
