@@ -124,6 +124,7 @@ class Model:
         params = args["config"].get("parameters", {})
         self.gate = params.get("gate", {}).get("string_value")
         self.barrier = params.get("barrier", {}).get("string_value")
+        self.hold_s = float(params.get("hold_s", {}).get("string_value", 30))
 
     def execute(self, inputs):
         if self.barrier:
@@ -131,7 +132,7 @@ class Model:
         x = inputs["X"]
         if self.gate and (x < 0).any():
             open(self.gate + ".running", "w").close()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + self.hold_s  # a forgotten gate does not hold the test's server forever
             while not os.path.exists(self.gate) and time.monotonic() < deadline:
                 time.sleep(0.002)
         turn = np.full((x.shape[0], 1), next(TURN), np.int64)
@@ -140,14 +141,17 @@ class Model:
 
 
 def gated_model(repo: Path, name: str, extra_yaml: str = "", gate: Path | None = None, barrier: bool = False,
-                max_batch_size: int = 8) -> Path:
-    """A python-backend model whose executions block until `gate` exists (tests open it when ready)."""
+                max_batch_size: int = 8, hold_s: float = 30) -> Path:
+    """A python-backend model whose executions block until `gate` exists (tests open it when ready), or
+    `hold_s` has passed: a test whose assertion depends on the hold lasting opens the gate itself and
+    sets `hold_s` far beyond any slow machine's run."""
     folder = repo / name
     (folder / "1").mkdir(parents=True, exist_ok=True)
     (folder / "1" / "model.py").write_text(GATED_MODEL)
     params = {}
     if gate is not None:
         params["gate"] = str(gate)
+        params["hold_s"] = str(hold_s)
     if barrier:
         meeting = repo.parent / f"{name}.barrier"  # a folder both instances' processes see
         meeting.mkdir(exist_ok=True)

@@ -40,7 +40,7 @@ def served(tmp_path_factory):
     llm_builders.build_model(repo / "tllm" / "1", "llama", max_positions=python_bls_models.ENDLESS_TOKENS + 64)
     (repo / "tllm" / "config.yaml").write_text(
         llm_builders.llm_config(block_size=16, num_kv_blocks=python_bls_models.ENDLESS_TOKENS // 16 + 64))
-    builders.gated_model(repo, "tgated", gate=gate, max_batch_size=1)
+    builders.gated_model(repo, "tgated", gate=gate, max_batch_size=1, hold_s=600)  # the tests open it
     builders.add_sub(repo / "tloaded" / "1" / "model.onnx")
     (repo / "tloaded" / "config.pbtxt").write_text('backend: "onnxruntime"\nmax_batch_size: 8\n')
     server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")
