@@ -12,6 +12,7 @@ from torch import nn
 from server.backends.llm import paged_kernel
 from server.backends.llm.attention import StepMetadata, paged_attention
 from server.backends.llm.hf_config import LlamaArgs
+from server.backends.llm.linear import Linear
 from server.errors import ConfigError
 
 
@@ -64,10 +65,10 @@ class Attention(nn.Module):
         self.sliding = sliding
         self.window = args.sliding_window if sliding else None
         bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.output_bias)
+        self.q_proj = Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
+        self.k_proj = Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.v_proj = Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
+        self.o_proj = Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.output_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
@@ -92,9 +93,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_proj = Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -126,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     def forward(self, input_ids, positions, caches, meta: StepMetadata, logits_index):
