@@ -4,7 +4,7 @@ and whatever the grouping, every query gets what attending over its own sequence
 import torch
 
 from server.backends.llm import paged_kernel
-from server.backends.llm.attention import PADDING, StepMetadata, build_group, paged_attention, split_by_length
+from server.backends.llm.attention import MIN_WASTE, PADDING, StepMetadata, build_group, paged_attention, split_by_length
 
 
 def entries(lengths: list[int], computed: list[int]) -> list[tuple[int, int, int, list[int]]]:
@@ -20,7 +20,7 @@ def test_every_entry_lands_in_exactly_one_group_and_padding_stays_bounded():
     for group in groups:
         q_max, c_max = max(e[1] for e in group), max(e[1] + e[2] for e in group)
         padded, real = len(group) * q_max * c_max, sum(e[1] * (e[1] + e[2]) for e in group)
-        assert padded <= PADDING * real or len(group) == 1 or padded - real <= 4096
+        assert padded <= PADDING * real or len(group) == 1 or padded - real <= MIN_WASTE
 
 
 def test_like_lengths_stay_in_one_group():

@@ -15,7 +15,7 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm import paged_kernel
+from server.backends.llm import linear, paged_kernel
 from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
@@ -91,6 +91,9 @@ class LLMBackend(Backend):
         model = LlamaForCausalLM(self.args)
         model.load_weights(self.folder)
         self.model = model.to(device=self.torch_device, dtype=self.dtype).eval()
+        self.onednn_linear = linear.probe(self.torch_device, self.dtype)
+        if self.onednn_linear:
+            linear.use_onednn(self.model)
         # .to(dtype) converts buffers too; rotary frequencies rounded to bf16 would skew positions.
         self.model.inv_freq = rope_inv_freq(self.args).to(self.torch_device)
         self.tokenizer = TextTokenizer(self.folder)
@@ -224,4 +227,5 @@ class LLMBackend(Backend):
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "num_kv_blocks": str(self.num_kv_blocks), "max_model_len": str(self.max_model_len),
-                "attention": "paged flash (varlen_attn)" if self.paged_kernel else "gather + SDPA"}
+                "attention": "paged flash (varlen_attn)" if self.paged_kernel else "gather + SDPA",
+                "linear": "oneDNN" if self.onednn_linear else "torch"}

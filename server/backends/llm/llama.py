@@ -12,6 +12,7 @@ from torch import nn
 from server.backends.llm import paged_kernel
 from server.backends.llm.attention import StepMetadata, paged_attention
 from server.backends.llm.hf_config import LlamaArgs
+from server.backends.llm.linear import Linear
 from server.errors import ConfigError
 
 
@@ -63,27 +64,27 @@ class Attention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         self.sliding = sliding
         self.window = args.sliding_window if sliding else None
-        bias = args.attention_bias
-        self.q_proj = nn.Linear(args.hidden_size, args.num_heads * args.head_dim, bias=bias)
-        self.k_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.v_proj = nn.Linear(args.hidden_size, args.num_kv_heads * args.head_dim, bias=bias)
-        self.o_proj = nn.Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.output_bias)
+        # q, k and v in one matmul (one call, a wider GEMM); load_weights joins the saved three
+        self.qkv_proj = Linear(args.hidden_size, (args.num_heads + 2 * args.num_kv_heads) * args.head_dim,
+                               bias=args.attention_bias)
+        self.o_proj = Linear(args.num_heads * args.head_dim, args.hidden_size, bias=args.output_bias)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.kv_heads, self.head_dim)
+        t, h, kvh = x.shape[0], self.heads, self.kv_heads
+        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises each head before rotating it
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+            qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])), dim=1)
+        else:
+            qk = qkv[:, : h + kvh]
+        qk = apply_rope(qk, cos, sin)  # q's and k's heads rotated in one pass
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
         k_cache, v_cache = cache
         k_cache.index_copy_(0, meta.slot_mapping, k)  # every slot of a step is distinct
         v_cache.index_copy_(0, meta.slot_mapping, v)
         if meta.varlen is not None:
-            out = paged_kernel.attend(q, k_cache, v_cache, meta.varlen, self.window)
+            out = paged_kernel.attend(q.contiguous(), k_cache, v_cache, meta.varlen, self.window)
         else:
             out = paged_attention(q, k_cache, v_cache, meta, self.sliding)  # [T, H, D]
         return self.o_proj(out.reshape(t, -1))
@@ -92,12 +93,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: LlamaArgs):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # joined at load
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -126,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
     def forward(self, input_ids, positions, caches, meta: StepMetadata, logits_index):
@@ -149,7 +150,25 @@ class LlamaForCausalLM(nn.Module):
             state.update(load_file(str(file)))
         if "lm_head.weight" not in state:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]  # tied embeddings
-        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing, unexpected = self.load_state_dict(joined(state), strict=False)
         unexpected = [k for k in unexpected if "rotary_emb" not in k]
         if missing or unexpected:
             raise ConfigError(f"{folder}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+JOINED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def joined(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The saved (Hugging Face) weights with each layer's q/k/v and gate/up projections stacked into
+    the one Linear each that the model runs; a layer missing a part keeps its parts, so the mismatch is reported."""
+    state = dict(state)
+    layers = {key.rsplit(".", 3)[0] for key in state if key.startswith("model.layers.")}  # "model.layers.N"
+    for layer in layers:
+        for name, parts in JOINED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{layer}.{part}.{kind}" for part in parts]
+                if all(n in state for n in names):
+                    state[f"{layer}.{name}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
