@@ -111,12 +111,14 @@ def decode_parameters(params) -> dict[str, Any]:
     return out
 
 
-def set_parameter(param: pb.InferParameter, value: bool | int | str) -> None:
-    """An InferParameter from a response parameter's value (bool before int: a bool is an int)."""
+def set_parameter(param: pb.InferParameter, value: bool | int | float | str) -> None:
+    """An InferParameter from a parameter's value (bool before int: a bool is an int)."""
     if isinstance(value, bool):
         param.bool_param = value
     elif isinstance(value, int):
         param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
     else:
         param.string_param = str(value)
 

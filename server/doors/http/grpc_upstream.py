@@ -23,6 +23,7 @@ from protos import generate_pb2_grpc as gen_grpc
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import errors
+from server.doors.grpc import codec
 from server.doors.grpc.errors import STATUS
 from server.doors.http import grpc_generation as generation
 from server.doors.http import tensors
@@ -129,13 +130,6 @@ def _json(content: dict) -> tuple[int, bytes, str]:
 
 
 def _set_parameter(param: pb.InferParameter, key: str, value) -> None:
-    if isinstance(value, bool):
-        param.bool_param = value
-    elif isinstance(value, int):
-        param.int64_param = value
-    elif isinstance(value, float):
-        param.double_param = value
-    elif isinstance(value, str):
-        param.string_param = value
-    else:
+    if not isinstance(value, (bool, int, float, str)):
         raise errors.InvalidInputError(f"parameter '{key}' must be a boolean, number or string")
+    codec.set_parameter(param, value)
