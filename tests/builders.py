@@ -112,7 +112,7 @@ def meet(folder):
     """Pass only while PARTIES executions run at once: each leaves a mark in `folder` and waits for the
     others' (instances are processes of their own, so no in-process barrier can span them)."""
     open(os.path.join(folder, f"{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}"), "w").close()
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120  # a generous bound: the other execution may start late on a busy machine
     while len(os.listdir(folder)) < PARTIES:
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {len(os.listdir(folder))} of {PARTIES} executions ran at the same time")
