@@ -44,13 +44,8 @@ def translate_errors(method):
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
-        except errors.FerryError as exc:
-            await context.abort(status_of(exc), capped(exc.message))
-        except Exception as exc:  # the server keeps serving whatever a handler hits
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            log.exception("unexpected error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the server keeps serving whatever a handler hits
+            await _abort_for(exc, context, method.__name__)
 
     return wrapper
 
@@ -64,12 +59,18 @@ def translate_stream_errors(method):
             async with contextlib.aclosing(method(self, request, context)) as responses:
                 async for response in responses:
                     yield response
-        except errors.FerryError as exc:
-            await context.abort(status_of(exc), capped(exc.message))
-        except Exception as exc:  # the server keeps serving whatever a handler hits
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            log.exception("unexpected error in %s", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - the server keeps serving whatever a handler hits
+            await _abort_for(exc, context, method.__name__)
 
     return wrapper
+
+
+async def _abort_for(exc: Exception, context, name: str) -> None:
+    """The call's status for what its handler raised: a FerryError's own, INTERNAL (logged) for the rest;
+    an abort already under way passes through."""
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    if isinstance(exc, errors.FerryError):
+        await context.abort(status_of(exc), capped(exc.message))
+    log.exception("unexpected error in %s", name, exc_info=exc)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
