@@ -47,6 +47,10 @@ class GenerationFamilies:
                 f"ferry_prefix_cache_hit_rate_{unit}", f"Hit {unit} / query {unit} since the model loaded"))
         self.prefix_evictions = Counter("ferry_prefix_cache_evictions", "Idle cached KV blocks reused for other "
                                         "tokens (least recently used first)", _LABELS, registry=registry)
+        self.shared_prefix_reads = Counter(
+            "ferry_attention_shared_prefix_saved_key_reads", "Key reads a layer saved by attending a cached prefix "
+            "once for every sequence of a step that shares it (shared-prefix attention), summed over steps",
+            _LABELS, registry=registry)
         self.spec_drafts = Counter("ferry_spec_decode_num_drafts", "Speculative decoding: steps a sequence was fed "
                                    "drafts in", _LABELS, registry=registry)
         self.spec_draft_tokens = Counter("ferry_spec_decode_num_draft_tokens", "Speculative decoding: draft tokens "
@@ -76,9 +80,11 @@ class GenerationStats:
             self._c = {name: getattr(families, name).labels(**labels) for name in (
                 "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
                 "queue_us", "ttft_us", "itl_us", "e2e_us", "step_us", "step_tokens", "kv_cached", *_PREFIX_COUNTERS,
-                "prefix_hit_rate_tokens", "prefix_hit_rate_blocks", *_SPEC_COUNTERS, "spec_acceptance_rate")}
+                "prefix_hit_rate_tokens", "prefix_hit_rate_blocks", *_SPEC_COUNTERS, "spec_acceptance_rate",
+                "shared_prefix_reads")}
         self._prefix_seen = dict.fromkeys(_PREFIX_COUNTERS, 0)
         self._spec_seen = dict.fromkeys(_SPEC_COUNTERS, 0)
+        self._shared_reads_seen = 0
 
     def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int, fragmentation: float, preemptions: int) -> None:
         added, self.preemptions = preemptions - self.preemptions, preemptions
@@ -114,6 +120,12 @@ class GenerationStats:
                 self._spec_seen[name] = total
         if stats.draft_tokens:
             self._c["spec_acceptance_rate"].set(stats.accepted_tokens / stats.draft_tokens)
+
+    def set_shared_prefix_reads(self, total: int) -> None:
+        """`total`: the engine's running count of key reads saved by shared-prefix attention."""
+        if self._c and total > self._shared_reads_seen:
+            self._c["shared_prefix_reads"].inc(total - self._shared_reads_seen)
+            self._shared_reads_seen = total
 
     def count_reruns(self, passes: int) -> None:
         self.step_reruns += passes

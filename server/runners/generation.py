@@ -319,6 +319,7 @@ class GenerationRunner(RunnerBase):
         s, pool = self.scheduler, self.scheduler.pool
         self.gen_stats.set_state(len(s.running), s.num_waiting, pool.num_used, pool.num_blocks, s.fragmentation(), s.preemptions)
         self.gen_stats.set_prefix_cache(len(pool.cache), pool.cache.stats)
+        self.gen_stats.set_shared_prefix_reads(self.backend.shared_prefix_reads)
         if s.speculator is not None:
             self.gen_stats.set_speculative(s.speculator.stats)
         self.stats.set_gauges(s.gauges())

@@ -54,6 +54,21 @@ def test_greedy_n_gives_identical_choices_from_one_prefill(env):
     assert single.choices[0].text == answer.choices[0].text
 
 
+def test_choices_sharing_a_long_prompt_read_it_once_and_score_as_one_alone(env):
+    """Eight choices of a 264-token prompt hold its 66 cached blocks together: attention reads them once
+    for all eight (shared_prefix.py), and every choice's tokens and logprobs equal a lone request's."""
+    server, client = env
+    prompt = [2 + (i * 37) % 290 for i in range(264)]
+    kwargs = dict(model="llama", prompt=prompt, temperature=0, max_tokens=10, logprobs=0, extra_body={"ignore_eos": True})
+    single = client.completions.create(**kwargs).choices[0]
+    saved = counter(server, "ferry_attention_shared_prefix_saved_key_reads")
+    answer = client.completions.create(n=8, **kwargs)
+    assert counter(server, "ferry_attention_shared_prefix_saved_key_reads") - saved >= 6 * 264  # >= 7 members a step
+    for choice in answer.choices:
+        assert choice.text == single.text and choice.logprobs.tokens == single.logprobs.tokens
+        assert choice.logprobs.token_logprobs == pytest.approx(single.logprobs.token_logprobs, abs=1e-4)
+
+
 def test_greedy_chat_n(env):
     _, client = env
     answer = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "the ferry"}], n=3,

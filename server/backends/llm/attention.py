@@ -24,12 +24,14 @@ float biases made once per step: SDPA turns a bool mask into the same bias on ev
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from server.backends.llm import shared_prefix
 from server.backends.llm.paged_kernel import VarlenStep
+from server.backends.llm.shared_prefix import SharedPrefix
 
 
 @dataclass(slots=True)
@@ -58,6 +60,7 @@ class StepMetadata:
     slot_mapping: torch.Tensor  # [T] where each new token's K/V goes
     groups: list[AttentionGroup]
     varlen: VarlenStep | None = None  # set: the paged flash kernel reads the cache instead (paged_kernel.py)
+    prefixes: list[SharedPrefix] = field(default_factory=list)  # blocks many sequences share (shared_prefix.py)
 
 
 PADDING = 1.25  # a group's padded query-key pairs may be this many times its real ones ...
@@ -66,13 +69,16 @@ MIN_WASTE = 256  # ... or waste this few pairs: below it one more SDPA call cost
 # groups' padding from 1.86x to 1.25x their real keys and cost 1.17x less CPU a token; docs/architecture.md.)
 
 
-def split_by_length(entries: list[tuple[int, int, int, list[int]]]) -> list[list[tuple[int, int, int, list[int]]]]:
+def split_by_length(entries: list[tuple[int, int, int, list[int]]],
+                    skip: dict[int, int] | None = None) -> list[list[tuple[int, int, int, list[int]]]]:
     """Entries (start, length, computed, block table) into groups whose padding stays bounded: longest
-    first, a new group when adding the next would pad the group past PADDING times its real work."""
+    first, a new group when adding the next would pad the group past PADDING times its real work.
+    `skip`: start -> leading keys an entry does not gather (a shared prefix attended apart)."""
+    skip = skip or {}
     groups: list[list] = []
     q_max = c_max = real = 0
-    for entry in sorted(entries, key=lambda e: e[1] * (e[1] + e[2]), reverse=True):
-        q, c = entry[1], entry[1] + entry[2]
+    for entry in sorted(entries, key=lambda e: e[1] * (e[1] + e[2] - skip.get(e[0], 0)), reverse=True):
+        q, c = entry[1], entry[1] + entry[2] - skip.get(entry[0], 0)
         padded = (len(groups[-1]) + 1) * max(q_max, q) * max(c_max, c) if groups else 0
         if not groups or (padded > PADDING * (real + q * c) and padded - real - q * c > MIN_WASTE):
             groups.append([])
@@ -84,14 +90,15 @@ def split_by_length(entries: list[tuple[int, int, int, list[int]]]) -> list[list
 
 def build_group(starts: list[int], lengths: list[int], computed: list[int], tables: list[list[int]],
                 block_size: int, device, window: int | None = None, full: bool = True,
-                dtype: torch.dtype = torch.float32) -> AttentionGroup:
+                dtype: torch.dtype = torch.float32, skip: list[int] | None = None) -> AttentionGroup:
     """Gather indices and masks for sequences whose queries are tokens [start, start + length) of the step,
     at positions computed .. computed + length - 1 of their own sequence. `window`: the sliding window of
-    the layers that slide (None: none does); `full`: some layer attends to the whole context."""
+    the layers that slide (None: none does); `full`: some layer attends to the whole context; `skip`:
+    each sequence's leading keys attended apart as a shared prefix (no layer slides then)."""
     num, q_max = len(starts), max(lengths)
     ctx_lens = [c + n for c, n in zip(computed, lengths)]
     # The first key any query of the step can see: the sequence's first, unless every layer slides.
-    first = [0 if full or window is None else max(0, c - window + 1) for c in computed]
+    first = skip or [0 if full or window is None else max(0, c - window + 1) for c in computed]
     c_max = max(n - f for n, f in zip(ctx_lens, first))
     q_off = torch.arange(q_max)
     token_index = torch.tensor(starts).unsqueeze(1) + q_off  # [S, Q]
@@ -135,6 +142,8 @@ def build_group(starts: list[int], lengths: list[int], computed: list[int], tabl
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata,
                     sliding: bool = False) -> torch.Tensor:
     # q: [T, H, D]; caches: [slots, KVH, D]
+    if meta.prefixes:
+        return _cascade(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     _, heads, dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -147,4 +156,29 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.bias_for(sliding), enable_gqa=True)
         og = og.transpose(1, 2).reshape(num * q_len, heads, dim)  # [S * Q, H, D]
         out.index_copy_(0, group.rows, og if group.pick is None else og.index_select(0, group.pick))
+    return out
+
+
+def _cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    """The groups over the keys after each shared prefix, with their log-sum-exps, then each prefix
+    folded in (shared_prefix.py). Only for models where no layer slides."""
+    out = torch.empty_like(q)
+    t, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    lse = torch.zeros(t, heads, dtype=torch.float32, device=q.device)
+    for group in meta.groups:
+        num, q_len = group.token_index.shape
+        c_len = group.context_slots.shape[1]
+        qg = q.index_select(0, group.flat_index).view(num, q_len, kv_heads, heads // kv_heads, dim)
+        qg = qg.permute(0, 2, 3, 1, 4).reshape(num, kv_heads, heads // kv_heads * q_len, dim)  # head-major
+        kg = k_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
+        vg = v_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
+        og, lg = shared_prefix.attend(qg, kg, vg, group.bias.unsqueeze(1))
+        og = og.view(num, heads, q_len, dim).transpose(1, 2).reshape(num * q_len, heads, dim)
+        lg = lg.view(num, heads, q_len).transpose(1, 2).reshape(num * q_len, heads)
+        if group.pick is not None:
+            og, lg = og.index_select(0, group.pick), lg.index_select(0, group.pick)
+        out.index_copy_(0, group.rows, og)
+        lse.index_copy_(0, group.rows, lg)
+    shared_prefix.merge(out, lse, q, k_cache, v_cache, meta.prefixes)
     return out

@@ -15,7 +15,7 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm import linear, paged_kernel
+from server.backends.llm import linear, paged_kernel, shared_prefix
 from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
@@ -83,6 +83,7 @@ class LLMBackend(Backend):
         self.folder = model_path.parent
         self.settings = EngineSettings.from_config(config.generation, str(self.folder))
         self.logprobs: dict[int, list[TokenLogprobs]] = {}  # filled by `step`, emptied by `take_logprobs`
+        self.shared_prefix_reads = 0  # key reads a layer saved by shared-prefix attention, since load
 
     def load(self) -> None:
         self.args = LlamaArgs.load(self.folder)
@@ -188,8 +189,14 @@ class LLMBackend(Backend):
             meta.varlen = paged_kernel.build_step(lengths, computed, tables, bs, device)
         else:
             window, full = self.args.sliding_window, not all(self.args.sliding_layers)
-            meta.groups = [build_group(*zip(*group), bs, device, window, full, self.dtype)
-                           for kind in (decode, verify, prefill) for group in split_by_length(kind)]
+            skip: dict[int, int] = {}
+            if window is None:  # blocks many sequences share: read once (shared_prefix.py)
+                clusters, skip = shared_prefix.find(decode + verify + prefill, bs)
+                meta.prefixes = shared_prefix.build(clusters, bs, device)
+                self.shared_prefix_reads += sum(c.saved for c in clusters)
+            meta.groups = [build_group(*zip(*group), bs, device, window, full, self.dtype,
+                                       [skip.get(e[0], 0) for e in group] if skip else None)
+                           for kind in (decode, verify, prefill) for group in split_by_length(kind, skip)]
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),
                                 self.caches, meta, torch.tensor(rows, dtype=torch.long, device=device))
