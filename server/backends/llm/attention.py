@@ -173,9 +173,10 @@ def _cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta
         qg = qg.permute(0, 2, 3, 1, 4).reshape(num, kv_heads, heads // kv_heads * q_len, dim)  # head-major
         kg = k_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
         vg = v_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
-        og, lg = shared_prefix.attend(qg, kg, vg, group.bias.unsqueeze(1))
-        og = og.view(num, heads, q_len, dim).transpose(1, 2).reshape(num * q_len, heads, dim)
-        lg = lg.view(num, heads, q_len).transpose(1, 2).reshape(num * q_len, heads)
+        bias = group.bias.unsqueeze(2).expand(num, 1, heads // kv_heads, q_len, c_len)  # each head's rows alike
+        og, lg = shared_prefix.attend(qg, kg, vg, bias.reshape(num, 1, heads // kv_heads * q_len, c_len))
+        og = og.reshape(num, heads, q_len, dim).transpose(1, 2).reshape(num * q_len, heads, dim)
+        lg = lg.reshape(num, heads, q_len).transpose(1, 2).reshape(num * q_len, heads)
         if group.pick is not None:
             og, lg = og.index_select(0, group.pick), lg.index_select(0, group.pick)
         out.index_copy_(0, group.rows, og)

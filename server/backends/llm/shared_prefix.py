@@ -84,20 +84,47 @@ def build(clusters: list[Cluster], block_size: int, device) -> list[SharedPrefix
     return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None = None,
-           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention that also returns the log-sum-exp. q: [B, KVH, G * Q, D] (G query heads per
-    key head, head-major), k, v: [B, KVH, C, D], bias: broadcastable to [B, KVH, G, Q, C] or None.
-    Returns the output [B, KVH, G * Q, D] in q's dtype and the lse [B, KVH, G * Q] in float32."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(scale)  # [B, KVH, G * Q, C]
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention that also returns the log-sum-exp. q: [B, KVH, G * Q, D] (the G query heads of
+    each key head as extra query rows), k, v: [B, KVH, C, D], bias: [B, 1, G * Q, C] or None. Returns
+    the output [B, KVH, G * Q, D] in q's dtype and the lse [B, KVH, G * Q] in float32."""
+    if q.device.type == "cpu" and _flash_runs():
+        return _FLASH(q, k, v, 0.0, False, attn_mask=bias)
+    return _attend_plain(q, k, v, bias)
+
+
+def _attend_plain(q, k, v, bias):
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # [B, KVH, G * Q, C]
     if bias is not None:
-        b, kvh, gq, c = scores.shape
-        q_len = bias.shape[-2]
-        scores = scores.view(b, kvh, gq // q_len, q_len, c).add_(bias).view(b, kvh, gq, c)
+        scores.add_(bias)
     lse = torch.logsumexp(scores, dim=-1)
     probs = scores.sub_(lse.unsqueeze(-1)).exp_()
     return torch.matmul(probs, v.float()).to(q.dtype), lse
+
+
+# PyTorch's fused CPU flash kernel returns the lse beside the output and reads strided K/V without a
+# copy: 2x the plain matmuls here. It is a private op (the one SDPA dispatches to on a CPU), so it is
+# checked once against the plain path and skipped if it is missing or disagrees.
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_flash_ok: bool | None = None
+
+
+def _flash_runs() -> bool:
+    global _flash_ok
+    if _flash_ok is None:
+        _flash_ok = False
+        if _FLASH is not None:
+            try:
+                gen = torch.Generator().manual_seed(0)
+                q, k, v = (torch.randn(2, 2, 3, 8, generator=gen) for _ in range(3))
+                bias = torch.zeros(2, 1, 3, 3).masked_fill_(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+                out, lse = _FLASH(q, k, v, 0.0, False, attn_mask=bias)
+                ref_out, ref_lse = _attend_plain(q, k, v, bias)
+                _flash_ok = bool(torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5))
+            except (RuntimeError, TypeError):
+                pass
+    return _flash_ok
 
 
 def attend_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -110,8 +137,8 @@ def attend_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     kp = k_cache.index_select(0, prefix.slots).transpose(0, 1)  # [KVH, L, D]
     vp = v_cache.index_select(0, prefix.slots).transpose(0, 1)
     out, lse = attend(qp.reshape(1, kv_heads, group * n, dim), kp.unsqueeze(0), vp.unsqueeze(0))
-    out = out.view(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
-    return out, lse.view(kv_heads, group, n).permute(2, 0, 1).reshape(n, heads)
+    out = out.reshape(kv_heads, group, n, dim).permute(2, 0, 1, 3).reshape(n, heads, dim)
+    return out, lse.reshape(kv_heads, group, n).permute(2, 0, 1).reshape(n, heads)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
