@@ -1,6 +1,7 @@
 """Shared-prefix (cascade) attention (shared_prefix.py): sequences holding the same leading KV blocks
 read them once, and every query still gets what attending over its own sequence alone gives."""
 
+import pytest
 import torch
 
 from server.backends.llm import shared_prefix
@@ -24,7 +25,11 @@ def step(lengths, computed, tables):
     return [(s, n, c, t) for s, n, c, t in zip(starts, lengths, computed, tables)]
 
 
-def test_sequences_sharing_blocks_attend_the_prefix_once_and_match_attending_alone():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-kernel", "plain-matmuls"])
+def test_sequences_sharing_blocks_attend_the_prefix_once_and_match_attending_alone(fused, monkeypatch):
+    if fused and not shared_prefix._flash_runs():
+        pytest.skip("this PyTorch has no fused CPU flash kernel returning the lse")
+    monkeypatch.setattr(shared_prefix, "_flash_ok", fused)
     torch.manual_seed(0)
     total_blocks = 512
     k_cache, v_cache = torch.randn(total_blocks * BLOCK, KV_HEADS, DIM), torch.randn(total_blocks * BLOCK, KV_HEADS, DIM)
