@@ -99,6 +99,7 @@ PBTXT = {
                    '{ name: "OUTPUT1", data_type: TYPE_FP32, dims: [ 4 ] }]\n'),
     "spin": 'input [{ name: "X", data_type: TYPE_FP32, dims: [ 1 ] }]\noutput [{ name: "Y", data_type: TYPE_FP32, dims: [ 1 ] }]\n',
 }
+NICE = 10  # the spinner's priority in the rows that lower it (the model's FERRY_PROCESS_NICE parameter)
 SPIN_CONFIG = """backend: python
 max_batch_size: 0
 input: [{name: X, data_type: TYPE_FP32, dims: [1]}]
@@ -119,6 +120,8 @@ def build(repo: Path, faces: bool) -> None:
         write(repo, "add_triton", ADD_TRITON, ADD_CONFIG)
         write(repo, "add_batched", ADD_TRITON, BATCHED_CONFIG)
     write(repo, "spin", SPIN, SPIN_CONFIG)
+    if faces:
+        write(repo, "spin_nice", SPIN, SPIN_CONFIG + f"parameters: {{FERRY_PROCESS_NICE: {{string_value: '{NICE}'}}}}\n")
     builders.add_sub(repo / "simple" / "1" / "model.onnx")
 
 
@@ -179,14 +182,14 @@ def add_rows(label: str, address: str, models: list[str], concurrencies: list[in
     return rows
 
 
-def spin_row(label: str, address: str, light_model: str, duration_s: float) -> dict:
+def spin_row(label: str, address: str, light_model: str, duration_s: float, spinner_model: str = "spin") -> dict:
     one = np.ones((1, 4) if light_model == "simple" else 4, np.float32)
     light = {"INPUT0": one, "INPUT1": one}
     alone = run(address, light_model, light, 8, duration_s)
     stop = threading.Event()
 
     def spinning() -> None:
-        payloads = [common.infer_payload("spin", {"X": np.ones(1, np.float32)})]
+        payloads = [common.infer_payload(spinner_model, {"X": np.ones(1, np.float32)})]
         while not stop.is_set():
             asyncio.run(loadgen.closed_loop(address, payloads, 2, duration_s=2, warmup=0, timeout_s=30))
 
@@ -253,6 +256,9 @@ def main() -> None:
                                 args.duration)
                 for light in ("simple", "add_triton" if faces else "add_ferry"):
                     spin.append(spin_row(label, address, light, max(args.duration, 5.0)))
+                    if faces:
+                        spin.append(spin_row(f"{label}, spinner at FERRY_PROCESS_NICE {NICE}", address, light,
+                                             max(args.duration, 5.0), "spin_nice"))
             finally:
                 stop(proc)
         if args.triton:

@@ -193,3 +193,19 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_a_model_process_runs_at_the_priority_its_config_asks_and_keeps_it_when_restarted(tmp_path, start_server):
+    repo = tmp_path / "repo"
+    write(repo, "crashy", CRASHY, CRASHY_CONFIG + 'parameters: { key: "FERRY_PROCESS_NICE", value: { string_value: "7" } }\n')
+    write(repo, "wrong", STEADY, STEADY_CONFIG + 'parameters: { key: "FERRY_PROCESS_NICE", value: { string_value: "-5" } }\n')
+    write(repo, "steady", STEADY, STEADY_CONFIG)
+    server = start_server(repo)
+    base = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
+    assert os.getpriority(os.PRIO_PROCESS, int(crashy(server, 0))) == min(19, base + 7)
+    crashy_error(server, 1)  # the process exits; the next call starts another
+    assert os.getpriority(os.PRIO_PROCESS, int(crashy(server, 0))) == min(19, base + 7)
+    assert kserve.infer(server.channel, "steady", {"X": np.array([21], np.float32)})["Y"].tolist() == [42]
+    index = kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest())
+    wrong = next(m for m in index.models if m.name == "wrong")
+    assert wrong.state == "UNAVAILABLE" and "FERRY_PROCESS_NICE is '-5'" in wrong.reason

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -39,6 +40,8 @@ log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
 READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not ready"
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
+NICE_PARAMETER = "FERRY_PROCESS_NICE"  # config parameter: the model process's CPU priority, as nice(1) counts
+DEFAULT_NICE = 0
 _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
            p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError}
 
@@ -100,11 +103,31 @@ class PythonBackend(Backend):
                                   "input tensors) but this machine has no GPU; remove the parameter to get host tensors")
             log.warning("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS 'no' is not supported; its input tensors are on the "
                         "host (Tensor.is_cpu() is true)", self.config.name)
+        self.nice = self._nice()
         self.process = self._start()
+
+    def _nice(self) -> int:
+        """How much lower than the server's the model process's CPU priority is (0-19): where cores are
+        few, a model that computes in Python then yields to the server's front door and its other models
+        rather than sharing the CPU equally with them. Raising it (a negative value) needs privileges a
+        server should not hold, so it is refused."""
+        given = parameter(self.config, NICE_PARAMETER)
+        if given is None:
+            return DEFAULT_NICE
+        try:
+            value = int(given)
+        except ValueError:
+            value = -1
+        if not 0 <= value <= 19:
+            raise ConfigError(f"model '{self.config.name}': parameter {NICE_PARAMETER} is {given!r}; use an integer "
+                              "from 0 (the server's priority) to 19 (the lowest)")
+        return value
 
     def _start(self) -> ModelProcess:
         process = ModelProcess(self.config.name, self.version, ARENA_BYTES, lambda: self.calls)
         process.start()
+        if self.nice:
+            os.setpriority(os.PRIO_PROCESS, process.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.nice)
         try:
             answer = process.ask(p.INIT, self._args())
         except ProcessDied as exc:
