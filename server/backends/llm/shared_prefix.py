@@ -61,12 +61,8 @@ def find(entries: list[tuple[int, int, int, list[int]]], block_size: int,
         blocks = min(e[2] // block_size for e in members)  # whole blocks before every member's first query
         table = members[0][3]
         for _, _, _, other in members[1:]:
-            same = 0
-            for a, b in zip(table[:blocks], other[:blocks]):
-                if a != b:
-                    break
-                same += 1
-            blocks = same
+            if other[:blocks] != table[:blocks]:  # compared in C; the first difference found only when there is one
+                blocks = next(i for i, (a, b) in enumerate(zip(table[:blocks], other)) if a != b)
         rows = [row for start, length, _, _ in members for row in range(start, start + length)]
         cluster = Cluster(rows, table[:blocks], len(members), blocks * block_size)
         if blocks < min_blocks or cluster.saved < MIN_SAVED:
