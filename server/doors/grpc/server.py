@@ -45,13 +45,13 @@ class RpcServer:
             maximum_concurrent_rpcs=options.max_concurrent_rpcs,
         )
         services = ServiceHandlers()  # every service behind the gates, none registered (gates.py says why)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, services)
         names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self.malformed = passthrough.MalformedBodies()
         for servicer, _, name in servicers:  # parsed inside Ferry's handlers: a bad body is INVALID_ARGUMENT
             passthrough.add_service(servicer, name, services, self.malformed)
             names.append(name)
+        self.health = health.aio.HealthServicer()  # looked up after the inference services, which most calls are for
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, services)
         self._served = [n for n in names if n not in (health.SERVICE_NAME, reflection.SERVICE_NAME)]
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(names), services)
         serve_behind(self.server, services, gates)
