@@ -84,7 +84,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     gate = DrainGate()
     grpc_access = AccessPolicy(config.tokens, restriction_table(list(config.grpc_restricted), GRPC_HEADER_PREFIX))
     http_access = AccessPolicy(config.tokens, restriction_table(list(config.http_restricted)))
-    interceptors = [AccessCheck(grpc_access), gate] if grpc_access.enabled else [gate]
+    gates = [AccessCheck(grpc_access), gate] if grpc_access.enabled else [gate]
     control = engine.control
     # system shared memory regions clients register (only with --allow-shared-memory); released at shutdown
     regions = SharedMemoryRegistry(allow_register=config.allow_shared_memory)
@@ -98,7 +98,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     logs = LogControl(allow_updates=config.allow_log_settings)  # LogSettings and /v2/logging (--allow-log-settings)
     rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name, control,
                                                                       regions, tracing)),
-                                  generation_service(GenerationServicer(registry, tracing))], interceptors)
+                                  generation_service(GenerationServicer(registry, tracing))], gates)
     await rpc.start()
     if group is not None:
         await group.start()

@@ -81,6 +81,6 @@ def to_raw(array: np.ndarray) -> bytes:
     if array.dtype.kind in "OSU":
         items = [v if isinstance(v, bytes) else str(v).encode() for v in array.reshape(-1)]
         return b"".join(_LENGTH.pack(len(v)) + v for v in items)
-    return np.ascontiguousarray(array).tobytes()
+    return array.tobytes()  # C order whatever the array's own layout (a row of a batch's output is a view)
 
 

@@ -86,6 +86,28 @@ def test_signature_refusals_name_the_problem(inputs, words):
         signature().check_inputs(inputs)
 
 
+def test_the_one_pass_check_accepts_exactly_what_the_full_check_accepts():
+    """A model with nothing optional, padded or read as text has its usual requests checked in one pass;
+    whatever that pass accepts must come out as the full check gives it, and what it does not take is
+    left to the full check (the refusals above come from there)."""
+    unbatched = mc.ModelConfig(name="u")
+    unbatched.input.add(name="s", data_type=mc.TYPE_STRING, dims=[-1])
+    unbatched.input.add(name="n", data_type=mc.TYPE_INT32, dims=[2, 2])
+    cases = [
+        (signature(), {"a": np.zeros((2, 5, 3), np.float32), "b": np.zeros((2, 2), np.int64)}),
+        (signature(), {"b": np.zeros((1, 2), np.int64), "a": np.zeros((1, 0, 3), np.float32)}),
+        (signature(), {"a": np.zeros((4, 1, 3), np.float32), "b": np.zeros((4, 2), np.int64)}),
+        (Signature.from_config(unbatched), {"s": np.array([b"x", b"yz"], dtype=object), "n": np.zeros((2, 2), np.int32)}),
+    ]
+    for sig, inputs in cases:
+        assert sig._plain
+        fast = sig._plain_inputs(inputs)
+        assert fast is not None and fast == sig._checked_inputs(inputs) == sig.check_inputs(inputs)
+    for bad in ({"a": np.zeros((1, 5, 3), np.float32)}, {"a": np.zeros((5, 1, 3), np.float32), "b": np.zeros((5, 2), np.int64)},
+                {"a": np.zeros((1, 5, 4), np.float32), "b": np.zeros((1, 2), np.int64)}):
+        assert signature()._plain_inputs(bad) is None
+
+
 def test_bytes_shape_larger_than_the_content_is_refused_before_allocating():
     with pytest.raises(InvalidInputError, match="cannot hold"):
         codec.decode_inputs(raw_request("s", "BYTES", [2**30], b"\x01\x00\x00\x00a"))

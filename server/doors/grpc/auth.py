@@ -18,12 +18,13 @@ from server.doors.tokens import UNAUTHENTICATED
 _CODES = {UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED, RESTRICTED: grpc.StatusCode.PERMISSION_DENIED}
 
 
-class AccessCheck(grpc.aio.ServerInterceptor):
+class AccessCheck:
+    """A gate (server/doors/grpc/gates.py): applied where gRPC looks each call's method up."""
+
     def __init__(self, policy: AccessPolicy):
         self.policy = policy
 
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
+    def gate(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
         metadata = details.invocation_metadata or ()
         denial = self.policy.check(grpc_operation(details.method),
                                    lambda key: next((v for k, v in metadata if k == key), None))

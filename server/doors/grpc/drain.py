@@ -23,9 +23,10 @@ PROBES = frozenset({
 })
 
 
-class DrainGate(Drain, grpc.aio.ServerInterceptor):
-    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
-        handler = await continuation(details)
+class DrainGate(Drain):
+    """A gate (server/doors/grpc/gates.py): applied where gRPC looks each call's method up."""
+
+    def gate(self, details: grpc.HandlerCallDetails, handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler | None:
         if self.closed and details.method not in PROBES:
             self.refuse()
             return refusal(handler, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)

@@ -63,7 +63,8 @@ class MalformedBodies:
 
 
 def add_service(servicer, service_name: str, server, bodies: MalformedBodies) -> None:
-    """Register every method of `service_name` (from the default descriptor pool) on `servicer`."""
+    """Serve every method of `service_name` (from the default descriptor pool) from `servicer`, as a generic
+    handler (`server`: a grpc.aio server or gates.ServiceHandlers; no method registered, see gates.py)."""
     service = descriptor_pool.Default().FindServiceByName(service_name)
     handlers = {}
     for method in service.methods:
@@ -82,8 +83,6 @@ def add_service(servicer, service_name: str, server, bodies: MalformedBodies) ->
         }[kind]
         handlers[method.name] = build(wrapped, request_deserializer=None, response_serializer=response_cls.SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
-    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62: the fast path for known methods
-        server.add_registered_method_handlers(service.full_name, handlers)
 
 
 def body_parser(request_cls, method: str, bodies: MalformedBodies):

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server.doors.grpc import passthrough
+from server.doors.grpc.gates import Gate, ServiceHandlers, serve_behind
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Triton and tritonclient allow messages up to INT32_MAX; Python's default receive limit is 4 MiB.
@@ -35,23 +36,25 @@ class RpcOptions:
 
 class RpcServer:
     def __init__(self, options: RpcOptions, servicers: list[tuple[object, callable, str]],
-                 interceptors: list[grpc.aio.ServerInterceptor] = ()):
+                 gates: list[Gate] = ()):
         """`servicers`: (servicer, add_to_server function, full service name) for every service;
-        `interceptors` see every call first, in order (authentication, the drain gate)."""
+        `gates` decide every call first, in order (authentication, the drain gate; server/doors/grpc/gates.py)."""
         limit = options.max_message_bytes
         self.server = grpc.aio.server(
             options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
-            maximum_concurrent_rpcs=options.max_concurrent_rpcs, interceptors=list(interceptors),
+            maximum_concurrent_rpcs=options.max_concurrent_rpcs,
         )
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        services = ServiceHandlers()  # every service behind the gates, none registered (gates.py says why)
         names = [health.SERVICE_NAME, reflection.SERVICE_NAME]
         self.malformed = passthrough.MalformedBodies()
         for servicer, _, name in servicers:  # parsed inside Ferry's handlers: a bad body is INVALID_ARGUMENT
-            passthrough.add_service(servicer, name, self.server, self.malformed)
+            passthrough.add_service(servicer, name, services, self.malformed)
             names.append(name)
+        self.health = health.aio.HealthServicer()  # looked up after the inference services, which most calls are for
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, services)
         self._served = [n for n in names if n not in (health.SERVICE_NAME, reflection.SERVICE_NAME)]
-        reflection.enable_server_reflection(names, self.server)
+        reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(names), services)
+        serve_behind(self.server, services, gates)
         address = f"{options.host}:{options.port}"
         if options.unix_socket is not None:  # reached only by this server's own front-end processes
             self.port = self.server.add_insecure_port(f"unix:{options.unix_socket}")

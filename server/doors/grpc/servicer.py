@@ -44,6 +44,7 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
         self.control = control or ModelControl(registry)  # load / unload, as the server's model control mode allows
         self.logs = logs  # LogSettings: what the server writes to its log, changed while it runs
         self.tracing = tracing or TraceControl()  # Triton's trace extension (TraceSetting), sampling per request
+        self._read_shared = shm_rpc.input_reader(self.shared_memory)  # made once, not per request
 
     async def ServerLive(self, request, context):
         return pb.ServerLiveResponse(live=self.health.live)
@@ -137,7 +138,9 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
             if trace is not None:
                 call = self._infer(request, arrival, context.time_remaining(), trace)
                 return await trace_doors.grpc_unary(trace, arrival, context, call)
-        return await self._infer(request, arrival, context.time_remaining())
+        # Untraced (nearly every call): _infer's steps without a coroutine of its own.
+        mv, infer, counts, targets = self._admit(request, arrival, context.time_remaining())
+        return _response(request, mv, infer, await mv.runner.infer(infer), counts, targets)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async def infer_one(request, arrival, trace):
@@ -155,23 +158,25 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
                 yield response
 
     async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None):
-        mv = serving(self.registry, request.model_name, request.model_version, INFER)
-        infer, counts = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
-        targets = shm_rpc.output_targets(self.shared_memory, request)  # regions checked before any work
+        mv, infer, counts, targets = self._admit(request, arrival, remaining_s)
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
         outputs = await mv.runner.infer(infer)
         if trace is not None:
             trace_doors.answered(trace, outputs)
-        names = infer.requested_outputs or tuple(mv.signature.outputs)
-        if counts:
-            outputs = classified(outputs, counts, mv.signature)
-        return codec.encode_response(request, mv.version, outputs, names, targets)
+        return _response(request, mv, infer, outputs, counts, targets)
+
+    def _admit(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
+        """The version to serve, the checked request, its classification counts and its output regions (checked
+        before any work)."""
+        mv = serving(self.registry, request.model_name, request.model_version, INFER)
+        infer, counts = _decode(request, mv, arrival, remaining_s, self._read_shared)
+        return mv, infer, counts, shm_rpc.output_targets(self.shared_memory, request)
 
     async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None):
         """A decoupled model's responses to one request, each encoded as it comes."""
         mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
-        infer, _ = _decode(request, mv, arrival, remaining_s, shm_rpc.input_reader(self.shared_memory))
+        infer, _ = _decode(request, mv, arrival, remaining_s, self._read_shared)
         wanted = infer.requested_outputs or tuple(mv.signature.outputs)
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
@@ -180,6 +185,14 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
                 yield codec.encode_response(request, mv.version, outputs, tuple(n for n in wanted if n in outputs))
         if trace is not None:
             trace.mark(REQUEST_END)
+
+
+def _response(request: pb.ModelInferRequest, mv: ModelVersion, infer: InferRequest, outputs: dict, counts: dict[str, int],
+              targets: dict) -> pb.ModelInferResponse:
+    names = infer.requested_outputs or tuple(mv.signature.outputs)
+    if counts:
+        outputs = classified(outputs, counts, mv.signature)
+    return codec.encode_response(request, mv.version, outputs, names, targets)
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None,
@@ -200,6 +213,8 @@ def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
     raw = request.raw_input_contents
     if raw:
         total = sum(map(len, raw))
+        if len(raw) == len(request.inputs):  # one raw entry per input (decode_inputs checked): none in shared memory
+            return total
         for t in request.inputs:
             if shm_rpc.REGION in t.parameters:
                 total += inputs[t.name].nbytes

@@ -67,4 +67,7 @@ def input_reader(registry: SharedMemoryRegistry):
 
 def output_targets(registry: SharedMemoryRegistry, request) -> dict:
     """Requested outputs that name a region -> (Region, Placement), checked before any work."""
-    return registry.targets([p for p in map(_placement, request.outputs) if p is not None])
+    outputs = request.outputs
+    if not outputs:  # most requests ask for every output, none of them into a region
+        return {}
+    return registry.targets([p for p in map(_placement, outputs) if p is not None])

@@ -1,6 +1,6 @@
 """The ASGI layer every HTTP call passes first: drain refusal, access checks, request counts.
 
-The same decisions as gRPC's interceptors, from the same objects: the server's `Drain` (503 while
+The same decisions as gRPC's gates (doors/grpc/gates.py), from the same objects: the server's `Drain` (503 while
 draining, counted so the app knows when callers have gone) and the one access table of
 server/doors/access.py (401 without a valid token, 403 for a call the token may not make or a restricted
 category without its header). Probes stay open to tokens and drain, as over gRPC. Plain ASGI rather

@@ -30,6 +30,7 @@ from server.doors.processes.proxy import Relay
 from server.doors.access import AccessPolicy
 from server.doors.grpc.auth import AccessCheck
 from server.doors.grpc.drain import DrainGate
+from server.doors.grpc.gates import ServiceHandlers, serve_behind
 from server.doors.grpc.passthrough import MalformedBodies
 from server.doors.tokens import Tokens
 
@@ -38,12 +39,11 @@ QUIET_S = 1.0  # as app.QUIET_S: no refused call for this long means callers hav
 SERVICE = "inference.GRPCInferenceService"
 
 
-def _server(spec: dict, interceptors: list) -> grpc.aio.Server:
+def _server(spec: dict) -> grpc.aio.Server:
     limit = spec["max_message_bytes"]
     options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
                ("grpc.so_reuseport", 1)]  # the default on Linux; said here because the design depends on it
-    return grpc.aio.server(options=options, maximum_concurrent_rpcs=spec["max_concurrent_rpcs"],
-                           interceptors=interceptors)
+    return grpc.aio.server(options=options, maximum_concurrent_rpcs=spec["max_concurrent_rpcs"])
 
 
 def _bind(server: grpc.aio.Server, spec: dict) -> int:
@@ -75,13 +75,13 @@ async def serve(spec: dict) -> int:
     gate = DrainGate()
     access = AccessPolicy(Tokens(tuple(t.encode() for t in spec["auth"]), tuple(t.encode() for t in spec["admin"])),
                           {category: (header, value.encode()) for category, header, value in spec["restricted"]})
-    server = _server(spec, [AccessCheck(access), gate] if access.enabled else [gate])
+    server = _server(spec)
     relay = Relay(channel, skip=frozenset({METHOD}))
     front = FrontInfer(link, relay, MalformedBodies())
-    handlers = {"ModelInfer": front.handler()}
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers), relay))
-    if hasattr(server, "add_registered_method_handlers"):  # grpcio >= 1.62: the fast path for known methods
-        server.add_registered_method_handlers(SERVICE, handlers)
+    services = ServiceHandlers()  # behind the gates, no method registered (server/doors/grpc/gates.py says why)
+    services.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"ModelInfer": front.handler()}),
+                                       relay))
+    serve_behind(server, services, [AccessCheck(access), gate] if access.enabled else [gate])
     if _bind(server, spec) != spec["port"]:
         log.error("front end %d could not bind port %d", spec["index"], spec["port"])
         return 1
