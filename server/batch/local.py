@@ -40,6 +40,10 @@ class LocalEngine:
         await self.engine.load(self.config)
         for row in registry.index():
             (log.info if row.state == READY else log.warning)("model %-24s %-11s %s", row.name, row.state, row.reason)
+        for version in registry.all_versions():
+            offline = getattr(version.runner, "throughput_first", None)  # generation runners: no step-time target
+            if offline is not None:
+                offline()
         options = WebOptions()
         self.app = build_app(registry, ServerHealth(ready=True), Drain(), AccessPolicy(Tokens(), restriction_table([])),
                              FrontDoorRequests(self.engine.prom).http, options, LogControl(allow_updates=False),
