@@ -12,7 +12,7 @@ from pathlib import Path
 
 from server.doors.access import AccessPolicy, restriction_table
 from server.app import ServerConfig, ServerHealth
-from server.batch import asgi
+from server.batch import asgi, heap
 from server.doors.drain import Drain
 from server.engine import build_engine
 from server.observability.log_settings import LogControl
@@ -35,11 +35,16 @@ class LocalEngine:
         self.app = None
 
     async def __aenter__(self) -> LocalEngine:
+        heap.keep_heap()  # before any model allocates: big steps' tensors reuse the heap (heap.py)
         self.engine = build_engine(self.config)
         registry = self.engine.registry
         await self.engine.load(self.config)
         for row in registry.index():
             (log.info if row.state == READY else log.warning)("model %-24s %-11s %s", row.name, row.state, row.reason)
+        for version in registry.all_versions():
+            offline = getattr(version.runner, "throughput_first", None)  # generation runners: no step-time target
+            if offline is not None:
+                offline()
         options = WebOptions()
         self.app = build_app(registry, ServerHealth(ready=True), Drain(), AccessPolicy(Tokens(), restriction_table([])),
                              FrontDoorRequests(self.engine.prom).http, options, LogControl(allow_updates=False),

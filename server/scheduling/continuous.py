@@ -127,6 +127,13 @@ class ContinuousScheduler:
                 self._finish(seq, "cancelled")
         return dropped
 
+    def throughput_first(self) -> None:
+        """Drop the automatic step-time target: for offline work (`ferry batch`), where nobody waits on
+        a token, a running sequence that ends is replaced by a waiting one in the very next step, however
+        long its prompt makes that step. A target the model's config sets (max_step_ms) stays."""
+        if not self.settings.max_step_ms:
+            self.step_budget.auto = 0.0
+
     def observe_step(self, num_tokens: int, step_ms: float) -> None:
         """The runner's measurement of a step that computed `num_tokens` tokens: feeds the step-time target."""
         self.step_budget.cost.observe(num_tokens, step_ms)
