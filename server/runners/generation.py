@@ -89,16 +89,6 @@ class GenerationEvent:
 
 
 @dataclass(slots=True)
-class _Ready:
-    """A finished step's new tokens per sequence (already in the scheduler's state), not yet turned into
-    text and events: the runner does that while the next step runs, off the step-to-step path."""
-
-    tokens: list[tuple[Sequence, list[int]]]
-    logprobs: dict
-    done_ns: int
-
-
-@dataclass(slots=True)
 class _Stream:
     """Per-request state the runner keeps beside the scheduler's Sequence."""
 
@@ -123,8 +113,6 @@ class GenerationRunner(RunnerBase):
         self.default_max_tokens = default_max_tokens
         self._ids = itertools.count()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-{version}-llm")
-        self._stepping = False  # a step is running: the sequences in it are the step thread's to read
-        self._ending: list[tuple[Sequence, str]] = []  # finishes decided meanwhile, applied once it is done
 
     def throughput_first(self) -> None:
         """Offline work (`ferry batch` in-process): see ContinuousScheduler.throughput_first."""
@@ -204,30 +192,16 @@ class GenerationRunner(RunnerBase):
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
-        ready: _Ready | None = None  # the last step's new tokens, turned into text while the next step runs
-        while self._accepting or self.scheduler.running or self.scheduler.num_waiting or ready is not None:
+        while self._accepting or self.scheduler.running or self.scheduler.num_waiting:
             now = time.monotonic_ns()
-            self._retire(now, ready)
+            self._retire(now)
             plan = self.scheduler.schedule()
             self._publish()
             if not plan:
-                if ready is not None:
-                    ready, last = None, ready
-                    self._emit_step(last)
-                    continue
                 await self._idle(now)
                 continue
             self._mark_scheduled(plan, now)
-            running = loop.run_in_executor(self._thread, run_step_isolated, self.backend.step, plan)
-            self._stepping = True
-            try:
-                if ready is not None:
-                    ready, last = None, ready
-                    self._emit_step(last)
-                outcome = await running
-            finally:
-                self._stepping = False
-            self._end_deferred()
+            outcome = await loop.run_in_executor(self._thread, run_step_isolated, self.backend.step, plan)
             done = time.monotonic_ns()
             self._fail_alone(outcome)
             sampled, logprobs = outcome.sampled, self.backend.take_logprobs()
@@ -235,35 +209,13 @@ class GenerationRunner(RunnerBase):
             self.scheduler.postprocess(outcome.ran, sampled)
             if outcome.ran:
                 self.stats.record_batch(len(sampled), len(outcome.ran.entries), 0, done - now, 0)
-            ready = _Ready([(seq, seq.token_ids[length:]) for seq, length in before], logprobs, done)
+            for seq, length in before:
+                new = seq.token_ids[length:]  # one token, or several when drafts were kept (speculative.py)
+                for i, token in enumerate(new):
+                    if seq.cancelled or seq.handle.done:
+                        break
+                    self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id), i), last=i == len(new) - 1)
             self._measured(outcome, now)
-
-    def _end(self, seq: Sequence, reason: str) -> None:
-        """Finish `seq` in the scheduler (its blocks go back), or once the running step is done: the step
-        thread reads the block tables of the sequences it runs."""
-        if self._stepping:
-            self._ending.append((seq, reason))
-        else:
-            self.scheduler.finish(seq, reason)
-
-    def _end_deferred(self) -> None:
-        """Apply finishes decided while a step ran, before its postprocess (which then skips their tokens)."""
-        ending, self._ending = self._ending, []
-        for seq, reason in ending:
-            if seq.status is SeqStatus.RUNNING:
-                self.scheduler.finish(seq, reason)
-
-    def _emit_step(self, ready: _Ready) -> None:
-        """Text and events for a step's new tokens: one token, or several when drafts were kept (speculative.py)."""
-        for seq, new in ready.tokens:
-            self._emit_tokens(seq, new, ready)
-
-    def _emit_tokens(self, seq: Sequence, new: list[int], ready: _Ready) -> None:
-        for i, token in enumerate(new):
-            if seq.cancelled or seq.handle.done:
-                break
-            self._emit(seq, token, ready.done_ns, self._logprobs(ready.logprobs.get(seq.seq_id), i),
-                       last=i == len(new) - 1)
 
     def _measured(self, outcome: StepOutcome, started_ns: int) -> None:
         """Feed the step-time target what this whole iteration cost (what a decode waited between two
@@ -292,9 +244,8 @@ class GenerationRunner(RunnerBase):
                 self.stats.record_queued(now - seq.arrival_ns)
                 self.gen_stats.observe("queue_us", now - seq.arrival_ns)
 
-    def _retire(self, now: int, ready: _Ready | None = None) -> None:
-        """Drop cancelled sequences, expire waiting ones, stop running ones past their deadline (after the
-        tokens their last step gave them, still in `ready`)."""
+    def _retire(self, now: int) -> None:
+        """Drop cancelled sequences, expire waiting ones, stop running ones past their deadline."""
         for seq in self.scheduler.drop_cancelled():
             seq.handle.done = True
             self.stats.record_done(now - seq.arrival_ns, ok=False, reason="CANCELED")
@@ -303,14 +254,8 @@ class GenerationRunner(RunnerBase):
             self._fail(seq, DeadlineExceededError(
                 f"generation request to model '{self.name}' waited {waited:.1f} ms and its deadline passed before it ran"))
         for seq in [s for s in self.scheduler.running if s.deadline_ns is not None and now >= s.deadline_ns]:
-            if ready is not None:
-                for pending, new in ready.tokens:
-                    if pending is seq:
-                        self._emit_tokens(seq, new, ready)
-                        new.clear()  # emitted now, not again with the rest of the step
-            if seq.status is SeqStatus.RUNNING:  # its last token may have ended it (a stop string)
-                self.scheduler.finish(seq, "deadline")
-                self._final(seq, "deadline", "", [], now)
+            self.scheduler.finish(seq, "deadline")
+            self._final(seq, "deadline", "", [], now)
 
     async def _idle(self, now: int) -> None:
         self._wake.clear()
@@ -347,7 +292,7 @@ class GenerationRunner(RunnerBase):
         text, stopped = ("", False) if finish == "eos" else stream.stops.feed(stream.detokenizer.add(token))
         if stopped:  # a stop string: text-level, so the runner's to decide
             finish = "stop"
-            self._end(seq, finish)
+            self.scheduler.finish(seq, finish)
         if finish is None:
             stream.events.put_nowait(GenerationEvent([token], text, logprobs=logprobs))
             return
