@@ -114,6 +114,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
         metrics_host = config.metrics_host or config.rpc.host
         http = MetricsServer(prom, metrics_host, config.metrics_port)
         print(f"ferry: serving metrics on http://{metrics_host}:{http.port}/metrics", flush=True)
+    heap.keep()  # before models allocate: a step's big tensors reuse the heap (server/heap.py)
     await engine.load(config)
     heap.park()
     health.ready = True

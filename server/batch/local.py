@@ -12,7 +12,8 @@ from pathlib import Path
 
 from server.doors.access import AccessPolicy, restriction_table
 from server.app import ServerConfig, ServerHealth
-from server.batch import asgi, heap
+from server import heap
+from server.batch import asgi
 from server.doors.drain import Drain
 from server.engine import build_engine
 from server.observability.log_settings import LogControl
@@ -35,7 +36,7 @@ class LocalEngine:
         self.app = None
 
     async def __aenter__(self) -> LocalEngine:
-        heap.keep_heap()  # before any model allocates: big steps' tensors reuse the heap (heap.py)
+        heap.keep()  # before any model allocates: big steps' tensors reuse the heap (server/heap.py)
         self.engine = build_engine(self.config)
         registry = self.engine.registry
         await self.engine.load(self.config)

@@ -4,7 +4,7 @@ and whatever the grouping, every query gets what attending over its own sequence
 import torch
 
 from server.backends.llm import paged_kernel
-from server.backends.llm.attention import MIN_WASTE, PADDING, StepMetadata, build_group, paged_attention, split_by_length
+from server.backends.llm.attention import MAX_GROUP_KEYS, MIN_WASTE, PADDING, StepMetadata, build_group, paged_attention, split_by_length
 
 
 def entries(lengths: list[int], computed: list[int]) -> list[tuple[int, int, int, list[int]]]:
@@ -21,6 +21,17 @@ def test_every_entry_lands_in_exactly_one_group_and_padding_stays_bounded():
         q_max, c_max = max(e[1] for e in group), max(e[1] + e[2] for e in group)
         padded, real = len(group) * q_max * c_max, sum(e[1] * (e[1] + e[2]) for e in group)
         assert padded <= PADDING * real or len(group) == 1 or padded - real <= MIN_WASTE
+
+
+def test_a_wide_step_is_gathered_in_groups_of_bounded_keys():
+    """256 decodes at ~200 keys would gather 51,200 keys of K and V per layer in one group: tens of MiB a
+    layer, from fresh pages every step; groups stay within MAX_GROUP_KEYS (sequences x padded context)."""
+    given = entries([1] * 256, [190 + i % 20 for i in range(256)])
+    groups = split_by_length(given)
+    assert sorted(e[0] for g in groups for e in g) == sorted(e[0] for e in given)
+    assert len(groups) >= 256 * 210 // MAX_GROUP_KEYS
+    for group in groups:
+        assert len(group) * max(e[1] + e[2] for e in group) <= MAX_GROUP_KEYS
 
 
 def test_like_lengths_stay_in_one_group():

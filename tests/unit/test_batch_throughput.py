@@ -55,13 +55,3 @@ def test_throughput_first_keeps_a_target_the_config_sets():
     s = decoding_batch(max_step_ms=30.0)
     s.throughput_first()
     assert prompt_tokens(s.schedule()) == 34  # 30 ms holds 50 tokens: 16 decodes and 34 prompt tokens
-
-
-def test_the_heap_settings_apply_on_glibc():
-    """The in-process engine keeps big steps' tensors on the heap (server/batch/heap.py); on glibc mallopt
-    takes both settings, elsewhere nothing is changed."""
-    import platform
-
-    from server.batch import heap
-
-    assert heap.keep_heap() is (platform.libc_ver()[0] == "glibc")

@@ -65,6 +65,7 @@ class StepMetadata:
 
 PADDING = 1.25  # a group's padded query-key pairs may be this many times its real ones ...
 MIN_WASTE = 256  # ... or waste this few pairs: below it one more SDPA call costs more than it saves
+MAX_GROUP_KEYS = 8192  # and gathers at most this many keys (sequences x padded context): see split_by_length
 # (Measured 2026-12-01 with oneDNN Linear layers: 1.25 / 256 against 2.0 / 4096 cut a burst's decode
 # groups' padding from 1.86x to 1.25x their real keys and cost 1.17x less CPU a token; docs/architecture.md.)
 
@@ -80,7 +81,8 @@ def split_by_length(entries: list[tuple[int, int, int, list[int]]],
     for entry in sorted(entries, key=lambda e: e[1] * (e[1] + e[2] - skip.get(e[0], 0)), reverse=True):
         q, c = entry[1], entry[1] + entry[2] - skip.get(entry[0], 0)
         padded = (len(groups[-1]) + 1) * max(q_max, q) * max(c_max, c) if groups else 0
-        if not groups or (padded > PADDING * (real + q * c) and padded - real - q * c > MIN_WASTE):
+        too_wide = groups and (len(groups[-1]) + 1) * max(c_max, c) > MAX_GROUP_KEYS
+        if not groups or too_wide or (padded > PADDING * (real + q * c) and padded - real - q * c > MIN_WASTE):
             groups.append([])
             q_max = c_max = real = 0
         groups[-1].append(entry)
