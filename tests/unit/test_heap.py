@@ -41,3 +41,45 @@ def test_the_allocator_settings_apply_on_glibc():
     import platform
 
     assert heap.keep() is (platform.libc_ver()[0] == "glibc")
+
+
+ONEDNN_SHAPES = """
+import sys
+from server import heap
+if sys.argv[1] == "keep":
+    heap.keep()
+import torch
+w, b = torch.randn(64, 32), torch.randn(64)
+with torch.inference_mode():
+    for rows in list(range(1, 1101)) + [1]:  # one primitive per row count, then the first again
+        torch.ops.mkldnn._linear_pointwise(torch.randn(rows, 32), w, b, "none", [None], "")
+"""
+
+
+def last_creation(mode: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"}  # keep() may have run here
+    done = subprocess.run([sys.executable, "-c", ONEDNN_SHAPES, mode], capture_output=True, text=True, timeout=300,
+                          env={**env, "ONEDNN_VERBOSE": "2"}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    created = [line for line in done.stdout.splitlines() if ",primitive,create:" in line]
+    return created[-1].split(",")[3] if created else ""
+
+
+def test_the_kernel_cache_keeps_what_a_burst_of_shapes_would_evict():
+    """After 1,100 row counts (a few bursts' worth of step sizes) the first one's oneDNN primitive is
+    still cached once heap.keep() ran, where oneDNN's default 1,024 entries had evicted it."""
+    import pytest
+
+    torch = pytest.importorskip("torch")
+    from server.backends.llm import linear
+
+    if not linear.probe(torch.device("cpu"), torch.float32):
+        pytest.skip("no oneDNN linear in this torch build")
+    kept = last_creation("keep")
+    if not kept:
+        pytest.skip("this oneDNN build prints no verbose creation lines")
+    assert kept == "create:cache_hit"
+    assert last_creation("default") == "create:cache_miss"  # the same shapes without keep(): evicted
