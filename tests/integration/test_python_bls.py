@@ -150,17 +150,28 @@ def test_a_queued_bls_call_of_a_request_whose_caller_left_never_runs(served, how
     ran = served.metric("nv_inference_exec_count", **labels) or 0.0
     ended, seen = _outcomes(served, "1", "7"), _outcomes(served, "7", seen=("True",))
     held = _hold_gated(served)
-    proc = _start_cancel(served, *(["cancel_stream"] if how == "stream" else ["cancel", "0", how]))
-    if how != "deadline":
-        wait_for(lambda: served.metric("nv_inference_pending_request_count", **labels) == 1, 60, "the BLS call to queue")
-    result = _finish(proc, cancel=how != "deadline")
-    assert result["answered"] is False, result
-    if how != "stream":
-        assert "cancel" in result["error"].lower() or "deadline" in result["error"].lower(), result
-    wait_for(lambda: served.metric("nv_inference_pending_request_count", **labels) == 0, 60, "the BLS call to leave the queue")
-    wait_for(lambda: _outcomes(served, "1", "7") == ended + 1, 60, "the BLS call to end")
-    served.gate.write_text("")
-    held.join(60)
+    try:
+        proc = _start_cancel(served, *(["cancel_stream"] if how == "stream" else ["cancel", "0", how]))
+        if how != "deadline":
+            wait_for(lambda: served.metric("nv_inference_pending_request_count", **labels) == 1, 60, "the BLS call to queue")
+        result = _finish(proc, cancel=how != "deadline")
+        if how == "deadline":
+            # The BLS call inherits the caller's deadline and expires in tgated's queue at that moment; the
+            # model then answers its caller, whose own deadline fires at the same moment: which of the two
+            # the client sees first is a race, so only the server-side outcome below is asserted.
+            assert result["answered"] is False or result["error"] is None, result
+        else:
+            assert result["answered"] is False, result
+        if how == "cancel":
+            assert "cancel" in result["error"].lower() or "deadline" in result["error"].lower(), result
+        elif how == "deadline" and not result["answered"]:
+            assert "deadline" in result["error"].lower(), result
+        wait_for(lambda: served.metric("nv_inference_pending_request_count", **labels) == 0, 60,
+                 "the BLS call to leave the queue")
+        wait_for(lambda: _outcomes(served, "1", "7") == ended + 1, 60, "the BLS call to end")
+    finally:
+        served.gate.write_text("")  # a failure above must not leave the instance held for the next test
+        held.join(60)
     assert served.metric("nv_inference_exec_count", **labels) == ran + 1  # the held request only
     assert _outcomes(served, "ok") == 0
     if how != "deadline":  # the model saw its request cancelled, and its BLS call answered CANCELLED
