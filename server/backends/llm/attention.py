@@ -148,17 +148,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return _cascade(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     _, heads, dim = q.shape
-    kv_heads = k_cache.shape[1]
     for group in meta.groups:
         num, q_len = group.token_index.shape
-        c_len = group.context_slots.shape[1]
         qg = q.index_select(0, group.flat_index).view(num, q_len, heads, dim).transpose(1, 2)  # [S, H, Q, D]
-        kg = k_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)  # [S, KVH, C, D]
-        vg = v_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
+        kg, vg = _keys(k_cache, group), _keys(v_cache, group)
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group.bias_for(sliding), enable_gqa=True)
         og = og.transpose(1, 2).reshape(num * q_len, heads, dim)  # [S * Q, H, D]
         out.index_copy_(0, group.rows, og if group.pick is None else og.index_select(0, group.pick))
     return out
+
+
+def _keys(cache: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """The group's gathered keys (or values) of one layer: [S, KVH, C, D]."""
+    num, c_len = group.context_slots.shape
+    return cache.index_select(0, group.flat_slots).view(num, c_len, *cache.shape[1:]).transpose(1, 2)
 
 
 def _cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
@@ -173,8 +176,7 @@ def _cascade(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta
         c_len = group.context_slots.shape[1]
         qg = q.index_select(0, group.flat_index).view(num, q_len, kv_heads, heads // kv_heads, dim)
         qg = qg.permute(0, 2, 3, 1, 4).reshape(num, kv_heads, heads // kv_heads * q_len, dim)  # head-major
-        kg = k_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
-        vg = v_cache.index_select(0, group.flat_slots).view(num, c_len, kv_heads, dim).transpose(1, 2)
+        kg, vg = _keys(k_cache, group), _keys(v_cache, group)
         bias = group.bias.unsqueeze(2).expand(num, 1, heads // kv_heads, q_len, c_len)  # each head's rows alike
         og, lg = shared_prefix.attend(qg, kg, vg, bias.reshape(num, 1, heads // kv_heads * q_len, c_len))
         og = og.reshape(num, heads, q_len, dim).transpose(1, 2).reshape(num * q_len, heads, dim)

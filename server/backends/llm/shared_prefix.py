@@ -46,13 +46,12 @@ class SharedPrefix:
     slots: torch.Tensor  # [L] cache slots of the shared prefix's keys, in position order
 
 
-def find(entries: list[tuple[int, int, int, list[int]]], block_size: int,
-         min_blocks: int = 1) -> tuple[list[Cluster], dict[int, int]]:
+def find(entries: list[tuple[int, int, int, list[int]]], block_size: int) -> tuple[list[Cluster], dict[int, int]]:
     """Clusters of entries (start, length, computed, block table) sharing leading blocks, and for every
     member its start -> the prefix length it need not gather itself."""
     by_first: dict[int, list] = defaultdict(list)
     for entry in entries:
-        if entry[2] >= block_size * min_blocks and entry[3]:
+        if entry[2] >= block_size and entry[3]:  # at least one whole block before its first query
             by_first[entry[3][0]].append(entry)
     clusters, skip = [], {}
     for members in by_first.values():
@@ -65,7 +64,7 @@ def find(entries: list[tuple[int, int, int, list[int]]], block_size: int,
                 blocks = next(i for i, (a, b) in enumerate(zip(table[:blocks], other)) if a != b)
         rows = [row for start, length, _, _ in members for row in range(start, start + length)]
         cluster = Cluster(rows, table[:blocks], len(members), blocks * block_size)
-        if blocks < min_blocks or cluster.saved < MIN_SAVED:
+        if cluster.saved < MIN_SAVED:
             continue
         clusters.append(cluster)
         skip.update((start, cluster.tokens) for start, *_ in members)
