@@ -76,7 +76,8 @@ def test_when_every_layer_slides_a_decode_gathers_only_its_window():
 
 def test_a_prompt_chunk_sees_the_window_of_each_query():
     group = build_group([0], [3], [10], [list(range(10))], 4, "cpu", window=4, full=True)
-    assert group.context_slots.shape == (1, 13)  # some layer attends to everything: all 13 keys gathered
+    # some layer attends to everything: all 13 keys gathered, as the 4 whole blocks that hold them (3 masked)
+    assert group.context_slots.shape == (1, 16) and group.flat_blocks.tolist() == [0, 1, 2, 3]
     window = group.mask_for(True)[0, 0]
     assert [row.nonzero().flatten().tolist() for row in window] == [[7, 8, 9, 10], [8, 9, 10, 11], [9, 10, 11, 12]]
     assert group.mask_for(False)[0, 0].sum(1).tolist() == [11, 12, 13]

@@ -170,12 +170,18 @@ class LLMBackend(Backend):
         for seq, n in plan.entries:
             first = seq.num_computed
             drafts = plan.drafts.get(seq.seq_id, [])
-            ids.extend(seq.token_ids[first : first + n - len(drafts)])
-            ids.extend(drafts)
-            pos = np.arange(first, first + n)
-            positions.append(pos)
-            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)  # where each new K/V goes (live blocks)
-            (decode if n == 1 else verify if drafts else prefill).append((start, n, first, seq.block_table))
+            table = seq.block_table
+            if n == 1:  # a decode, most of a wide step's entries: plain ints, no array operations per sequence
+                ids.append(seq.token_ids[first])
+                positions.append(first)
+                slots.append(table[first // bs] * bs + first % bs)  # where its new K/V goes (a live block)
+            else:
+                ids.extend(seq.token_ids[first : first + n - len(drafts)])
+                ids.extend(drafts)
+                pos = np.arange(first, first + n)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
+            (decode if n == 1 else verify if drafts else prefill).append((start, n, first, table))
             if first + n == seq.num_tokens + len(drafts):
                 for j in range(len(drafts) + 1):  # the choice after the pending token and after each draft
                     rows.append(start + n - 1 - len(drafts) + j)
@@ -183,7 +189,7 @@ class LLMBackend(Backend):
                     histories.append(History(seq.token_ids + drafts[:j] if j else seq.token_ids, seq.prompt_len))
             start += n
         device = self.torch_device
-        meta = StepMetadata(torch.from_numpy(np.concatenate(slots)).to(device), [])
+        meta = StepMetadata(torch.tensor(slots, dtype=torch.long, device=device), [])
         if self.paged_kernel:  # every entry in step order: the kernel reads the queries packed as they are
             _, lengths, computed, tables = zip(*sorted(decode + verify + prefill, key=lambda e: e[0]))
             meta.varlen = paged_kernel.build_step(lengths, computed, tables, bs, device)
@@ -198,7 +204,7 @@ class LLMBackend(Backend):
                                        [skip.get(e[0], 0) for e in group] if skip else None)
                            for kind in (decode, verify, prefill) for group in split_by_length(kind, skip)]
         with torch.inference_mode():
-            logits = self.model(torch.tensor(ids, device=device), torch.from_numpy(np.concatenate(positions)).to(device),
+            logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, dtype=torch.long, device=device),
                                 self.caches, meta, torch.tensor(rows, dtype=torch.long, device=device))
             if not samplers:
                 return {}
