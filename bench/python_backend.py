@@ -12,7 +12,9 @@ Two measurements, one run, one closed-loop load generator (clients/loadgen.py, K
    bundles, from bench/peers.py's venv) serving the same `TritonPythonModel`.
 2. A light model (8 callers: Ferry's ONNX `simple`, and the Python add_sub on every server) alone, then
    while a Python model that spins ~200 ms in pure Python per call is kept busy by 2 callers of its
-   own: the share of its requests/s it keeps and its p99.
+   own: the share of its requests/s it keeps and its p99. Ferry's default (FERRY_PROCESS_NICE `auto`)
+   lowers the spinner's priority once it has kept a core busy for a second; a second row pins it at
+   the server's priority (FERRY_PROCESS_NICE 0), as every model process ran before.
    Before the model processes, the spinner held the GIL the light model's server needed.
 
 Appended to bench/RESULTS.md unless --no-record.
@@ -99,7 +101,6 @@ PBTXT = {
                    '{ name: "OUTPUT1", data_type: TYPE_FP32, dims: [ 4 ] }]\n'),
     "spin": 'input [{ name: "X", data_type: TYPE_FP32, dims: [ 1 ] }]\noutput [{ name: "Y", data_type: TYPE_FP32, dims: [ 1 ] }]\n',
 }
-NICE = 10  # the spinner's priority in the rows that lower it (the model's FERRY_PROCESS_NICE parameter)
 SPIN_CONFIG = """backend: python
 max_batch_size: 0
 input: [{name: X, data_type: TYPE_FP32, dims: [1]}]
@@ -121,7 +122,7 @@ def build(repo: Path, faces: bool) -> None:
         write(repo, "add_batched", ADD_TRITON, BATCHED_CONFIG)
     write(repo, "spin", SPIN, SPIN_CONFIG)
     if faces:
-        write(repo, "spin_nice", SPIN, SPIN_CONFIG + f"parameters: {{FERRY_PROCESS_NICE: {{string_value: '{NICE}'}}}}\n")
+        write(repo, "spin_pinned", SPIN, SPIN_CONFIG + "parameters: {FERRY_PROCESS_NICE: {string_value: '0'}}\n")
     builders.add_sub(repo / "simple" / "1" / "model.onnx")
 
 
@@ -195,7 +196,7 @@ def spin_row(label: str, address: str, light_model: str, duration_s: float, spin
 
     spinner = threading.Thread(target=spinning, daemon=True)
     spinner.start()
-    time.sleep(1)  # the spinner's callers are in flight before the light model is measured
+    time.sleep(3)  # the spinner's callers are in flight (and it has been judged) before the light model is measured
     beside = run(address, light_model, light, 8, duration_s)
     stop.set()
     spinner.join(60)
@@ -257,8 +258,8 @@ def main() -> None:
                 for light in ("simple", "add_triton" if faces else "add_ferry"):
                     spin.append(spin_row(label, address, light, max(args.duration, 5.0)))
                     if faces:
-                        spin.append(spin_row(f"{label}, spinner at FERRY_PROCESS_NICE {NICE}", address, light,
-                                             max(args.duration, 5.0), "spin_nice"))
+                        spin.append(spin_row(f"{label}, spinner pinned (FERRY_PROCESS_NICE 0)", address, light,
+                                             max(args.duration, 5.0), "spin_pinned"))
             finally:
                 stop(proc)
         if args.triton:

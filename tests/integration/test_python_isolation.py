@@ -195,6 +195,31 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _autogroup_nice(pid: int) -> int | None:
+    """The nice value of the process's autogroup (Linux shares the CPU between sessions by it first), or
+    None where the kernel has no autogroups or the process is in none (an empty file: a container's cgroup)."""
+    try:
+        text = Path(f"/proc/{pid}/autogroup").read_text()
+    except OSError:
+        return None
+    return int(text.split("nice")[1]) if "nice" in text else None
+
+
+def _yields_by(pid: int, server, by: int) -> bool:
+    """Whether the process's autogroup sits `by` nice levels below the server's, wherever there are
+    autogroups; or the server said it could not set it (some sandboxes refuse the write or keep nothing)."""
+    ours = _autogroup_nice(server.proc.pid)
+    return (_autogroup_nice(pid) == (None if ours is None else min(19, ours + by))
+            or "autogroup priority could not be lowered" in server.output)
+
+
+def _not_lowered(pid: int, server) -> bool:
+    """Whether the process's autogroup (where it has one) is not below the server's: a new session's
+    starts at nice 0."""
+    theirs = _autogroup_nice(pid)
+    return theirs is None or theirs <= max(0, _autogroup_nice(server.proc.pid) or 0)
+
+
 def test_a_model_process_runs_at_the_priority_its_config_asks_and_keeps_it_when_restarted(tmp_path, start_server):
     repo = tmp_path / "repo"
     write(repo, "crashy", CRASHY, CRASHY_CONFIG + 'parameters: { key: "FERRY_PROCESS_NICE", value: { string_value: "7" } }\n')
@@ -202,10 +227,90 @@ def test_a_model_process_runs_at_the_priority_its_config_asks_and_keeps_it_when_
     write(repo, "steady", STEADY, STEADY_CONFIG)
     server = start_server(repo)
     base = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
-    assert os.getpriority(os.PRIO_PROCESS, int(crashy(server, 0))) == min(19, base + 7)
+    pid = int(crashy(server, 0))
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, base + 7)
+    assert _yields_by(pid, server, 7)  # its session yields too
     crashy_error(server, 1)  # the process exits; the next call starts another
-    assert os.getpriority(os.PRIO_PROCESS, int(crashy(server, 0))) == min(19, base + 7)
+    pid = int(crashy(server, 0))
+    assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, base + 7)
+    assert _yields_by(pid, server, 7)
     assert kserve.infer(server.channel, "steady", {"X": np.array([21], np.float32)})["Y"].tolist() == [42]
     index = kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest())
     wrong = next(m for m in index.models if m.name == "wrong")
     assert wrong.state == "UNAVAILABLE" and "FERRY_PROCESS_NICE is '-5'" in wrong.reason
+
+
+# Spends 60 ms of CPU a call: CPU time, not wall time, so it is as heavy on a slow or busy machine.
+HEAVY = '''
+import os, time
+import numpy as np
+
+
+class Model:
+    def execute(self, inputs):
+        end, spins = time.process_time() + 0.06, 0
+        while time.process_time() < end:
+            spins += 1
+        return {"PID": np.array([os.getpid()], np.int64)}
+'''
+HEAVY_CONFIG = """
+backend: "python"
+input [{ name: "X", data_type: TYPE_FP32, dims: [ 1 ] }]
+output [{ name: "PID", data_type: TYPE_INT64, dims: [ 1 ] }]
+"""
+
+
+def _nice_of(thread: int) -> int | None:
+    """A thread's nice value; None for one that ended while we looked."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, thread)
+    except ProcessLookupError:
+        return None
+
+
+def _threads_nice(pid: int) -> set[int]:
+    """The nice values of the process's living threads (Linux keeps one per thread)."""
+    return {_nice_of(int(task.name)) for task in Path(f"/proc/{pid}/task").iterdir()} - {None}
+
+
+def test_a_model_that_keeps_a_core_busy_is_lowered_by_default_and_a_light_or_pinned_one_is_not(tmp_path, start_server):
+    repo = tmp_path / "repo"
+    write(repo, "heavy", HEAVY, HEAVY_CONFIG)
+    write(repo, "pinned", HEAVY, HEAVY_CONFIG + 'parameters: { key: "FERRY_PROCESS_NICE", value: { string_value: "0" } }\n')
+    write(repo, "crashy", CRASHY, CRASHY_CONFIG)  # light: answers its pid at once
+    server = start_server(repo)
+    base = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
+
+    def heavy(name: str) -> int:
+        return int(kserve.infer(server.channel, name, {"X": np.array([1], np.float32)})["PID"][0])
+
+    pid, light = heavy("heavy"), int(crashy(server, 0))
+    assert os.getpriority(os.PRIO_PROCESS, pid) == base  # starts at the server's priority
+    calls = 0
+
+    def lowered() -> bool:
+        nonlocal calls
+        for _ in range(5):  # busy most of each second (300 ms of CPU per light call between)
+            assert heavy("heavy") == pid
+            calls += 1
+        assert crashy(server, 0) == light
+        return os.getpriority(os.PRIO_PROCESS, pid) == min(19, base + 10)
+
+    wait_for(lowered, 120, "the busy model's process to be lowered")
+    wait_for(lambda: _threads_nice(pid) == {min(19, base + 10)}, 30, "every thread of it to be lowered")
+    wait_for(lambda: _yields_by(pid, server, 10), 30, "its session to yield too, where the kernel has autogroups")
+    assert os.getpriority(os.PRIO_PROCESS, light) == base and _not_lowered(light, server)
+    assert "its CPU priority is lowered by 10" in server.output
+
+    pinned = heavy("pinned")
+    for _ in range(calls + 10):  # as busy, longer: FERRY_PROCESS_NICE 0 keeps it at the server's priority
+        assert heavy("pinned") == pinned
+    assert _threads_nice(pinned) == {base} and _not_lowered(pinned, server)
+
+    os.kill(pid, signal.SIGKILL)  # a new process is judged afresh: it starts at the server's priority
+    wait_for(lambda: not _alive(pid), 30, "the heavy model's process to end")
+    try:
+        again = heavy("heavy")
+    except grpc.RpcError:  # the call reached the dead process before the server saw it die
+        again = heavy("heavy")
+    assert again != pid and os.getpriority(os.PRIO_PROCESS, again) == base

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import threading
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from google.protobuf import json_format
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device, parameter
+from server.backends.python import priority
 from server.backends.python import protocol as p
 from server.backends.python.faces import defines_auto_complete
 from server.backends.python.process import ModelProcess, ProcessDied
@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
 READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not ready"
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
-NICE_PARAMETER = "FERRY_PROCESS_NICE"  # config parameter: the model process's CPU priority, as nice(1) counts
-DEFAULT_NICE = 0
 _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
            p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError}
 
@@ -103,31 +101,14 @@ class PythonBackend(Backend):
                                   "input tensors) but this machine has no GPU; remove the parameter to get host tensors")
             log.warning("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS 'no' is not supported; its input tensors are on the "
                         "host (Tensor.is_cpu() is true)", self.config.name)
-        self.nice = self._nice()
+        self.priority = priority.Priority(self.config.name, priority.parse(self.config.name,
+                                                                           parameter(self.config, priority.PARAMETER)))
         self.process = self._start()
-
-    def _nice(self) -> int:
-        """How much lower than the server's the model process's CPU priority is (0-19): where cores are
-        few, a model that computes in Python then yields to the server's front door and its other models
-        rather than sharing the CPU equally with them. Raising it (a negative value) needs privileges a
-        server should not hold, so it is refused."""
-        given = parameter(self.config, NICE_PARAMETER)
-        if given is None:
-            return DEFAULT_NICE
-        try:
-            value = int(given)
-        except ValueError:
-            value = -1
-        if not 0 <= value <= 19:
-            raise ConfigError(f"model '{self.config.name}': parameter {NICE_PARAMETER} is {given!r}; use an integer "
-                              "from 0 (the server's priority) to 19 (the lowest)")
-        return value
 
     def _start(self) -> ModelProcess:
         process = ModelProcess(self.config.name, self.version, ARENA_BYTES, lambda: self.calls)
         process.start()
-        if self.nice:
-            os.setpriority(os.PRIO_PROCESS, process.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.nice)
+        self.priority.started(process)
         try:
             answer = process.ask(p.INIT, self._args())
         except ProcessDied as exc:
@@ -212,6 +193,7 @@ class PythonBackend(Backend):
                 answered([ModelUnavailableError(str(replies))] * len(sent))
             else:
                 answered([self._outputs(process, reply) for reply in replies])
+                self.priority.answered()
 
         process.send(p.EXEC, sent, replied, _deadline(requests), requests)
 
@@ -226,6 +208,7 @@ class PythonBackend(Backend):
             self._in_flight -= 1
             answered(ModelUnavailableError(str(replies)) if isinstance(replies, ProcessDied)
                      else self._outputs(process, replies[0]))
+            self.priority.answered()
 
         process.send(p.EXEC, [request], replied)
 
@@ -238,6 +221,7 @@ class PythonBackend(Backend):
             return [ModelUnavailableError(str(exc))] * len(sent)
         finally:
             self._in_flight -= 1
+        self.priority.answered()
         return [self._outputs(process, reply) for reply in replies]
 
     def responses(self, request: InferRequest, stop: threading.Event):
@@ -261,6 +245,7 @@ class PythonBackend(Backend):
         finally:
             self._in_flight -= 1
             self._streaming = None
+            self.priority.answered()  # a stream is judged as one call
 
     def cancel(self) -> None:
         """The caller of the stream running now went away: the model's is_cancelled() turns true."""
