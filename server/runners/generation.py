@@ -22,6 +22,7 @@ from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings
 from server.errors import BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError
 from server.observability.generation_metrics import GenerationStats
 from server.observability.metrics import ModelStats
+from server.runners import slow_steps
 from server.runners.base import GENERATE, RunnerBase
 from server.runners.sampling import sampling_params
 from server.runners.step_isolation import StepOutcome, run_step_isolated
@@ -113,6 +114,7 @@ class GenerationRunner(RunnerBase):
         self.default_max_tokens = default_max_tokens
         self._ids = itertools.count()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-{version}-llm")
+        self._slow = slow_steps.SlowSteps(name)
 
     def throughput_first(self) -> None:
         """Offline work (`ferry batch` in-process): see ContinuousScheduler.throughput_first."""
@@ -201,7 +203,8 @@ class GenerationRunner(RunnerBase):
                 await self._idle(now)
                 continue
             self._mark_scheduled(plan, now)
-            outcome = await loop.run_in_executor(self._thread, run_step_isolated, self.backend.step, plan)
+            outcome, timing = await loop.run_in_executor(self._thread, slow_steps.timed, run_step_isolated,
+                                                         self.backend.step, plan)
             done = time.monotonic_ns()
             self._fail_alone(outcome)
             sampled, logprobs = outcome.sampled, self.backend.take_logprobs()
@@ -215,13 +218,15 @@ class GenerationRunner(RunnerBase):
                     if seq.cancelled or seq.handle.done:
                         break
                     self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id), i), last=i == len(new) - 1)
-            self._measured(outcome, now)
+            self._measured(outcome, now, timing)
 
-    def _measured(self, outcome: StepOutcome, started_ns: int) -> None:
+    def _measured(self, outcome: StepOutcome, started_ns: int, timing: slow_steps.StepTiming) -> None:
         """Feed the step-time target what this whole iteration cost (what a decode waited between two
         tokens); a step re-run to isolate a failure is no measure of the normal cost."""
         tokens, elapsed = outcome.ran.num_tokens, time.monotonic_ns() - started_ns
         self.gen_stats.observe_step(tokens, elapsed)
+        self._slow.check(elapsed, self.scheduler.step_budget.cost.predict(tokens), timing, tokens,
+                         len(outcome.ran.entries))
         if tokens and not outcome.reruns:
             self.scheduler.observe_step(tokens, elapsed / 1e6)
 
