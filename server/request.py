@@ -38,6 +38,9 @@ class InferRequest:
     future: Any = None  # completion handle owned by the model runner; opaque to schedulers
     trace: Any = None  # a sampled request's tracing.record.Trace; None (almost always): not traced
     caller_left: Any = None  # set by a backend running it elsewhere (a model process): called when its caller leaves mid-run
+    correlation_id: int | str = 0  # its sequence's, set by the runner of a sequence model (0: none)
+    sequence_flags: int = 0  # Triton's request flags for that sequence: 1 its start, 2 its end
+    rerun: Any = None  # set by an iterative sequence's runner: readies a request the model rescheduled for its next run
 
     def expired(self, now_ns: int) -> bool:
         return self.deadline_ns is not None and now_ns >= self.deadline_ns
@@ -78,3 +81,14 @@ def with_parameters_of(rebuilt: dict, original: dict) -> dict:
     """`rebuilt` (a new dict made from `original`'s arrays) keeping `original`'s response parameters."""
     params = parameters_of(original)
     return Outputs(rebuilt, params) if params else rebuilt
+
+
+class _Rescheduled(Outputs):
+    """The answer of a model that released a request to run it again later (Triton's request
+    rescheduling, `TRITONSERVER_REQUEST_RELEASE_RESCHEDULE`): no response yet; the batching runner
+    queues the request again (after its `rerun`)."""
+
+    __slots__ = ()
+
+
+RESCHEDULED = _Rescheduled()

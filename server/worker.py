@@ -13,7 +13,7 @@ from server.tensors.assembly import Assembler, assembler_for
 from server.backends.base import Backend
 from server.errors import BackendError, FerryError
 from server.tensors.padding import PadCount
-from server.request import Batch, with_parameters_of
+from server.request import RESCHEDULED, Batch, with_parameters_of
 from server.tensors.signature import Signature
 
 
@@ -158,7 +158,7 @@ class Worker:
             raise BackendError(f"model '{self.signature.model}' answered {len(answers)} of {len(batch.requests)} requests")
         checked = []
         for request, answer in zip(batch.requests, answers):
-            if not isinstance(answer, FerryError):
+            if not isinstance(answer, FerryError) and answer is not RESCHEDULED:  # rescheduled: no response yet
                 try:
                     if reshape:
                         answer = with_parameters_of(reshape.outputs(answer, self.signature.model), answer)

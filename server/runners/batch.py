@@ -26,7 +26,7 @@ from server import response_cache
 from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
 from server.observability.loop_load import LoopLoad
 from server.observability.metrics import ModelStats
-from server.request import Batch, InferRequest
+from server.request import RESCHEDULED, Batch, InferRequest
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, RunnerBase
 from server.runners.isolation import Outcome, run_isolated
@@ -221,6 +221,7 @@ class ModelRunner(RunnerBase):
             return
         outcome = Outcome([(batch, running.result())])
         try:
+            self._requeue(outcome)
             self._give_back(worker, batch, outcome)
         finally:
             self._answer(batch, outcome, worker)
@@ -243,6 +244,7 @@ class ModelRunner(RunnerBase):
         outcome = None
         try:
             outcome = await run_isolated(run, batch, self._unexpected)
+            self._requeue(outcome)
         finally:
             self._give_back(worker, batch, outcome)
         self._answer(batch, outcome, worker)
@@ -255,6 +257,20 @@ class ModelRunner(RunnerBase):
         except Exception:  # the instance and the answers must not be lost with it
             log.exception("model '%s': the scheduler failed to take back a batch", self.name)
         self._release(worker, done)
+
+    def _requeue(self, outcome: Outcome) -> None:
+        """Requests the model rescheduled (iterative sequences) go back into the queue before the freed
+        instance takes its next batch, so each run joins whatever waits there, as continuous batching
+        does; their callers wait on until the model answers them."""
+        for part, result in outcome.answered:
+            for request, outputs in zip(part.requests, result.outputs):
+                if outputs is not RESCHEDULED or request.rerun is None or request.future.done():
+                    continue
+                request.rerun()
+                try:
+                    self.scheduler.submit(request, time.monotonic_ns())
+                except FerryError as exc:  # a full queue: the request ends here, with the reason
+                    self._fail(request, exc)
 
     def _answer(self, batch: Batch, outcome: Outcome, worker: Worker) -> None:
         if outcome.reruns:
@@ -273,18 +289,33 @@ class ModelRunner(RunnerBase):
                 for request, outputs in zip(part.requests, result.outputs):
                     if isinstance(outputs, FerryError):  # a backend that answers requests alone failed this one
                         self._fail(request, outputs)
+                    elif outputs is RESCHEDULED:
+                        self._rescheduled(request)
                     elif not request.future.done():
                         request.future.set_result(outputs)
                         totals.append(now - request.arrival_ns)
                 self.stats.record_successes(totals)  # one lock for the batch, not one per request
             else:
-                for request, outputs in zip(part.requests, result.outputs):
-                    self._finish(request, _setter(request, error=outputs) if isinstance(outputs, FerryError)
-                                 else _setter(request, outputs))
+                self._answer_in_order(part, result)
         for request, error in outcome.failed:
             if not outcome.reruns:
                 log.warning("model '%s' request failed: %s", self.name, error.message)
             self._fail(request, error)
+
+    def _answer_in_order(self, part: Batch, result) -> None:
+        for request, outputs in zip(part.requests, result.outputs):
+            if outputs is RESCHEDULED:
+                self._rescheduled(request)
+            else:
+                self._finish(request, _setter(request, error=outputs) if isinstance(outputs, FerryError)
+                             else _setter(request, outputs))
+
+    def _rescheduled(self, request: InferRequest) -> None:
+        """Queued again by _requeue; only a model outside an iterative sequence cannot be run again (the
+        model process refuses that itself: this is the guard behind it)."""
+        if request.rerun is None and not request.future.done():
+            self._fail(request, BackendError(f"model '{self.name}' rescheduled a request, but only an iterative "
+                                             "sequence model (sequence_batching.iterative_sequence) runs one again"))
 
     def _unexpected(self, exc: Exception) -> BackendError:
         """A failure that is not one of Ferry's domain errors (e.g. inputs that cannot be joined)."""

@@ -6,11 +6,18 @@ Its `execute` is a generator: every dict it yields is one response, sent at once
 alone on one instance's thread (the model decides how many responses a request gets, so there is
 nothing to join); requests wait for a free instance in arrival order. A caller that goes away stops
 its generator at the next response, and the instance is free again only once its thread is.
+
+A client's `sequence_id`, `sequence_start` and `sequence_end` become the request's correlation id and
+flags, as the model sees them (Triton's request.correlation_id() and flags()). With `sequence_batching
+{ iterative_sequence: true }` each request is a sequence of its own, started with a correlation id
+of its own; a request the model reschedules runs again on its instance at once (the backend's
+`responses` sends it back), so its stream goes on until the model sends its final response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +31,7 @@ from server.observability.metrics import ModelStats, failure_reason
 from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
 from server.request import InferRequest, with_parameters_of
 from server.runners.base import DECOUPLED, RunnerBase
+from server.runners.sequence_inputs import FLAG_END, FLAG_START
 from server.scheduling.budget import ByteBudget
 from server.tensors.signature import Signature
 
@@ -34,8 +42,10 @@ class DecoupledRunner(RunnerBase):
     serves = DECOUPLED
 
     def __init__(self, name: str, version: int, backends: list[Backend], signature: Signature, stats: ModelStats,
-                 budget: ByteBudget | None = None):
+                 budget: ByteBudget | None = None, iterative: bool = False):
         super().__init__(name, version, stats, budget)
+        self.iterative = iterative
+        self._ids = itertools.count(1)  # correlation ids of iterative sequences the client did not name
         self.backends, self.signature = backends, signature
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{version}-{i}") for i in range(len(backends))]
         self._idle: asyncio.Queue[int] = asyncio.Queue()
@@ -50,6 +60,7 @@ class DecoupledRunner(RunnerBase):
     async def stream(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The request's responses as the model yields them; raises a FerryError if the model fails."""
         self._admit_check()
+        self._sequence(request)
         self._take_bytes(request.nbytes, request.arrival_ns)
         self._streams += 1
         failure = ""
@@ -75,6 +86,18 @@ class DecoupledRunner(RunnerBase):
             self._streams -= 1
             self._wake.set()
             self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=not failure, reason=failure)
+
+    def _sequence(self, request: InferRequest) -> None:
+        """The client's sequence parameters as the request's correlation id and flags (an iterative
+        sequence starts here, under the client's id or one of its own)."""
+        params = request.parameters
+        cid = params.pop("sequence_id", 0)
+        start, end = params.pop("sequence_start", False), params.pop("sequence_end", False)
+        if self.iterative:
+            request.correlation_id, request.sequence_flags = cid or next(self._ids), FLAG_START
+        elif cid:
+            request.correlation_id = cid
+            request.sequence_flags = (FLAG_START if start else 0) | (FLAG_END if end else 0)
 
     async def _run(self, instance: int, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         loop = asyncio.get_running_loop()

@@ -137,14 +137,28 @@ def sequence_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: 
         capacity = max(config.max_batch_size, 1) * len(workers)
     inner = ModelRunner(name, entry.version, build_scheduler(batching, max_queued), workers, stats, budget=budget,
                         loop_load=loop_load)
-    return SequenceRunner(inner, extra, SequenceSlots(capacity, sb.max_sequence_idle_microseconds * 1000))
+    return SequenceRunner(inner, extra, SequenceSlots(capacity, sb.max_sequence_idle_microseconds * 1000),
+                          iterative=_iterative(name, config))
+
+
+def _iterative(name: str, config: mc.ModelConfig) -> bool:
+    """`sequence_batching { iterative_sequence: true }`: requests the model reschedules run again. Only
+    Python models can reschedule (pb_utils' set_release_flags); for any other the setting would do
+    nothing, so it is refused rather than ignored."""
+    if not config.sequence_batching.iterative_sequence:
+        return False
+    if config.backend != "python":
+        raise ConfigError(f"model '{name}': sequence_batching.iterative_sequence needs a model that reschedules "
+                          f"its requests (the python backend's set_release_flags), not backend {config.backend!r}")
+    return True
 
 
 def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget) -> DecoupledRunner:
     if entry.config.backend != "python":
         raise ConfigError(f"model '{name}': model_transaction_policy.decoupled needs the python backend "
                           f"(a model.py whose execute yields responses), not {entry.config.backend!r}")
-    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget)
+    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget,
+                           iterative=_iterative(name, entry.config))
 
 
 def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats,

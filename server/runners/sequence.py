@@ -8,6 +8,13 @@ batching runner, so requests of different sequences are batched together (at mos
 in a batch, since a sequence's next request waits for its previous answer). Live sequences, their
 slots and idle release are the pure policy in scheduling/sequence_slots.py.
 
+An iterative sequence (`sequence_batching { iterative_sequence: true }`, Triton's request rescheduling)
+is one request: it gets a correlation id of its own and a slot, and runs until the model answers it;
+each time the model releases it to run again (RESCHEDULED) it goes back into the queue, batched with
+whatever waits there, with the START flag only on its first run (the batching runner queues it again
+itself, before the freed instance takes its next batch). A Python model thus generates step by step,
+many requests' steps in one execute, with no sequence ids from the client.
+
 A sequence that starts while every slot is taken waits in a backlog, first come first served, as
 Triton's sequence batcher does: a freed slot (an END, a failure, an idle release) goes straight to
 the oldest waiting sequence, so a newcomer can never overtake it. The wait is bounded by the
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
+import itertools
 import logging
 import time
 
@@ -29,7 +38,8 @@ from server.observability.metrics import failure_reason
 from server.request import InferRequest
 from server.runners.base import INFER, RunnerBase
 from server.runners.batch import ModelRunner
-from server.runners.sequence_inputs import CORRID, SequenceFlags, SequenceInputs, sequence_flags
+from server.runners.sequence_inputs import (CORRID, FLAG_END, FLAG_START, SequenceFlags, SequenceInputs,
+                                            sequence_flags)
 from server.scheduling.sequence_slots import SequenceSlots
 
 log = logging.getLogger(__name__)
@@ -38,9 +48,10 @@ log = logging.getLogger(__name__)
 class SequenceRunner(RunnerBase):
     serves = INFER
 
-    def __init__(self, inner: ModelRunner, extra: SequenceInputs, slots: SequenceSlots):
+    def __init__(self, inner: ModelRunner, extra: SequenceInputs, slots: SequenceSlots, iterative: bool = False):
         super().__init__(inner.name, inner.version, inner.stats, inner.budget)
-        self.inner, self.extra, self.slots = inner, extra, slots
+        self.inner, self.extra, self.slots, self.iterative = inner, extra, slots, iterative
+        self._ids = itertools.count(1)  # correlation ids of iterative sequences the client did not name
         self._tails: dict[object, asyncio.Future] = {}  # per sequence: its last request's completion
         self._busy: dict[object, int] = {}  # sequences with a request in flight (never released idle)
         self._backlog: collections.deque[tuple[object, asyncio.Future]] = collections.deque()  # waiting STARTs
@@ -51,7 +62,7 @@ class SequenceRunner(RunnerBase):
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         self._admit_check()
-        flags = sequence_flags(request.parameters, self.name)
+        flags = self._own_sequence(request) if self.iterative else sequence_flags(request.parameters, self.name)
         self._check_corrid(flags)
         previous = self._tails.get(flags.cid)
         mine = self._tails[flags.cid] = asyncio.get_running_loop().create_future()
@@ -93,8 +104,11 @@ class SequenceRunner(RunnerBase):
         return live
 
     async def _run(self, request: InferRequest, flags: SequenceFlags, live) -> dict[str, np.ndarray]:
-        """The inner runner runs the step (and counts its outcome); the sequence's state carries on."""
-        request.inputs = {**request.inputs, **self.extra.tensors(flags.cid, flags.start, flags.end, live.state)}
+        """The inner runner runs the step (and counts its outcome); the sequence's state carries on. An
+        iterative sequence's request may run many times (rerun readies each run after the first)."""
+        self._ready(request, flags, flags.start, live)
+        if self.iterative:
+            request.rerun = functools.partial(self._ready, request, flags, False, live)
         try:
             outputs = await self.inner.infer(request)
         except BaseException:
@@ -102,9 +116,28 @@ class SequenceRunner(RunnerBase):
             raise
         live.state = self.extra.carried(outputs)
         self.slots.touch(flags.cid, time.monotonic_ns())
-        if flags.end:
+        if flags.end or self.iterative:
             self._end(flags.cid)
         return self.extra.visible(outputs)
+
+    def _ready(self, request: InferRequest, flags: SequenceFlags, start: bool, live) -> None:
+        """The request's control inputs, implicit state, correlation id and flags for its next run."""
+        request.inputs = {**request.inputs, **self.extra.tensors(flags.cid, start, flags.end, live.state)}
+        request.correlation_id, request.sequence_flags = flags.cid, (FLAG_START if start else 0) | (FLAG_END if flags.end else 0)
+
+    def _own_sequence(self, request: InferRequest) -> SequenceFlags:
+        """An iterative sequence is its request: it starts now, with the client's correlation id if it
+        gave one, else one of its own (an id no live sequence holds)."""
+        params = request.parameters
+        if params.get("sequence_id") not in (None, 0, ""):
+            return SequenceFlags(sequence_flags(params, self.name).cid, True, False)
+        params.pop("sequence_start", None)
+        params.pop("sequence_end", None)
+        strings = any(c.kind == CORRID and c.dtype.api == "BYTES" for c in self.extra.controls)
+        cid = None
+        while cid is None or cid in self._tails:
+            cid = str(next(self._ids)) if strings else next(self._ids)
+        return SequenceFlags(cid, True, False)
 
     async def _wait_for_slot(self, cid, deadline_ns: int | None):
         """Wait in the backlog until a freed slot is handed to `cid`; refuse past the deadline or limit."""

@@ -22,6 +22,7 @@ from server.tensors.signature import Signature, TensorSpec
 Control = mc.ModelSequenceBatching.Control
 START, READY, END, CORRID = (Control.CONTROL_SEQUENCE_START, Control.CONTROL_SEQUENCE_READY,
                              Control.CONTROL_SEQUENCE_END, Control.CONTROL_SEQUENCE_CORRID)
+FLAG_START, FLAG_END = 1, 2  # Triton's request flags, as a model sees them (TRITONSERVER_REQUEST_FLAG_SEQUENCE_*)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,7 @@ from server.backends.python.process import ModelProcess, ProcessDied
 from server.config_json import config_json
 from server.errors import (AlreadyExistsError, BackendError, ConfigError, FerryError, InvalidInputError,
                            ModelNotFoundError, ModelUnavailableError, UnsupportedError)
-from server.request import InferRequest, Outputs
+from server.request import RESCHEDULED, InferRequest, Outputs
 
 log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
@@ -236,6 +236,10 @@ class PythonBackend(Backend):
                     return
                 if reply is None:
                     continue
+                if reply == p.RESCHEDULE:  # execute returned with the request rescheduled: it runs again now
+                    request.sequence_flags = 0  # neither its sequence's start any more, nor its end
+                    process.restream(call, self._request(process, request, request.inputs))
+                    continue
                 outputs = self._outputs(process, reply)
                 if isinstance(outputs, FerryError):
                     raise outputs
@@ -255,12 +259,12 @@ class PythonBackend(Backend):
 
     def _request(self, process: ModelProcess, request: InferRequest, inputs: dict[str, np.ndarray]) -> p.Request:
         params = request.parameters
-        correlation = params.get("sequence_id", 0) if params else 0
-        flags = (1 if params.get("sequence_start") else 0) | (2 if params.get("sequence_end") else 0) if params else 0
         return p.Request(request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
-                         dict(params) if params else {}, correlation, flags)
+                         dict(params) if params else {}, request.correlation_id, request.sequence_flags)
 
-    def _outputs(self, process: ModelProcess, reply: p.Reply) -> dict[str, np.ndarray] | FerryError:
+    def _outputs(self, process: ModelProcess, reply: p.Reply | str) -> dict[str, np.ndarray] | FerryError:
+        if reply == p.RESCHEDULE:
+            return RESCHEDULED
         if reply.error is not None:
             code, message = reply.error
             return _ERRORS.get(code, BackendError)(message)

@@ -56,6 +56,7 @@ class Host:
         self.loop = asyncio.new_event_loop()
         self.face: faces.Face | None = None
         self._current = 0  # the EXEC call running (or last run)
+        self._iterative = False  # the config's sequence_batching.iterative_sequence: requests may be rescheduled
 
     # ---- reading: the main thread while it is idle, the helper thread while model code runs
     def _take(self) -> tuple:
@@ -172,6 +173,8 @@ class Host:
         try:
             module = faces.import_model(Path(args["ferry_model_path"]))
             self.face = faces.face_of(module, Path(args["ferry_model_path"]), self.loop)
+            batching = json.loads(args.get("model_config") or "{}").get("sequence_batching") or {}
+            self._iterative = bool(batching.get("iterative_sequence"))
             self.face.initialize(args)
         except BaseException as exc:  # noqa: BLE001 - a model that cannot start says why, and the load fails
             self.link.send((p.FAILED, _message(exc)))
@@ -194,7 +197,7 @@ class Host:
         self._current = call
         built = [self._request(r, call, i) for i, r in enumerate(requests)]
         try:
-            replies = [self._reply(r) for r in self.face.run(built)]
+            replies = [self._released(request) or self._reply(r) for request, r in zip(built, self.face.run(built))]
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
             replies = [p.Reply([], (p.INTERNAL, _message(exc)))] * len(requests)
         del built
@@ -211,6 +214,25 @@ class Host:
         except BaseException as exc:  # noqa: BLE001
             if call in self._streaming:
                 self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
+            return
+        released = self._released(built)
+        if released is None or call not in self._streaming:  # done, or its final response is sent: nothing to rerun
+            return
+        if released == p.RESCHEDULE:
+            self.link.send((p.RESPONSE, call, p.RESCHEDULE, False))
+        else:
+            self.respond(call, pb.InferenceResponse(error=pb.TritonError(released.error[1], released.error[0])), True)
+
+    def _released(self, request: pb.InferenceRequest) -> str | p.Reply | None:
+        """What a request the model rescheduled gets in place of a response (Triton ignores one the
+        model returned for it anyway): run again, where the config allows it; None if not rescheduled."""
+        if not request._rescheduled():
+            return None
+        if self._iterative:
+            return p.RESCHEDULE
+        return p.Reply([], (p.UNSUPPORTED, "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but the "
+                                           "model's config does not let requests be rescheduled: add "
+                                           "sequence_batching { iterative_sequence: true }"))
 
     def _finalize(self) -> None:
         try:

@@ -246,6 +246,7 @@ class InferenceRequest:
         # a request given to execute carries the client's parameters as they came (a double too)
         self._parameters = dict(parameters or {}) if _call is not None else _checked_parameters(parameters)
         self._call = _call  # set on requests handed to execute: which call of the server they belong to
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._trace = InferenceTrace(_call, _index) if _call is not None else trace
 
     def inputs(self) -> list[Tensor]:
@@ -281,9 +282,15 @@ class InferenceRequest:
         return _the_host().sender(self._call)
 
     def set_release_flags(self, flags: int) -> None:
-        """Triton's request rescheduling is not offered; releasing (the default) is what happens."""
-        if flags & TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-            raise TritonModelException("Ferry does not reschedule requests (TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)")
+        """TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: run this request again in a later execute (a model whose
+        config has `sequence_batching { iterative_sequence: true }`); RELEASE_ALL (the default): it is done."""
+        if flags not in (TRITONSERVER_REQUEST_RELEASE_ALL, TRITONSERVER_REQUEST_RELEASE_RESCHEDULE):
+            raise TritonModelException(f"set_release_flags: flags must be TRITONSERVER_REQUEST_RELEASE_ALL (1) or "
+                                       f"TRITONSERVER_REQUEST_RELEASE_RESCHEDULE (2), got {flags!r}")
+        self._release_flags = flags
+
+    def _rescheduled(self) -> bool:
+        return self._release_flags == TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
 
     def exec(self, decoupled: bool = False):
         """Run this request on `model_name` and wait: one InferenceResponse, or (decoupled) an iterator of them."""

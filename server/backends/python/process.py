@@ -200,6 +200,11 @@ class ModelProcess:
         self._send((p.STREAM, call, request, self._take_freed()))
         return call, self._answers(call, answers)
 
+    def restream(self, call: int, request: p.Request) -> None:
+        """Run a decoupled request again under its call (the model rescheduled it): its answers keep
+        coming to the same stream. A process that died meanwhile has answered the stream already."""
+        self._send((p.STREAM, call, request, self._take_freed()))
+
     def _answers(self, call: int, answers: queue.Queue):
         try:
             while True:

@@ -11,8 +11,10 @@ Server -> model process:
                                          FAILED(message)
   CHECK(ref)                             the model's is_ready(); answered CHECKED(ref, bool)
   AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
-  EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply], freed)
-  STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply, final) 0..N times
+  EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply | RESCHEDULE], freed)
+  STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply, final) 0..N times,
+                                         or RESPONSE(call, RESCHEDULE, False): execute returned with the request
+                                         rescheduled; the server sends STREAM again under the same call
   CANCEL(call)                           the callers of an EXEC or STREAM went away (is_cancelled() turns true;
                                          the server cancels the BLS calls it made, answered CALLED CANCELLED)
   CALLED(ref, Reply | None, final)       an answer to a BLS call or a model-control call
@@ -39,6 +41,7 @@ INIT, AUTO, EXEC, STREAM, CANCEL, CALLED, FREE, FINALIZE = (
 READY, FAILED, DONE, RESPONSE, CALL, CONTROL, METRIC, LOG = (
     "ready", "failed", "done", "response", "call", "control", "metric", "log")
 CHECK, CHECKED, HANDOVER = "check", "checked", "handover"
+RESCHEDULE = "reschedule"  # in place of a Reply: the model released the request to run it again later
 
 TRITON, FERRY = "triton", "ferry"  # the two faces of a model.py: `class TritonPythonModel` or `class Model`
 
