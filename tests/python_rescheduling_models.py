@@ -11,6 +11,9 @@ Ferry's tests: each keeps its state per correlation id, so requests interleave a
 - tplain: dynamic batching, and tplain_stream: decoupled, neither iterative: rescheduling is refused.
 - tseq: a sequence model (correlation ids from the client): it answers the correlation id and flags
   it saw and how many requests of the sequence it has seen.
+- tthreaded: decoupled, one instance, like NVIDIA's repeat example: execute returns at once and a
+  thread sends the rest. A request with ROLE 0 answers 0, then waits (from its thread) until a ROLE 1
+  request has run, and ends with 2 (-1 if none came within 60 s); ROLE 1 answers 1 and ends.
 """
 
 from __future__ import annotations
@@ -160,6 +163,45 @@ sequence_batching { }
 """
 
 
+THREADED = '''
+import threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def response(value):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.released = threading.Event()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            if pb_utils.get_input_tensor_by_name(request, "ROLE").as_numpy().flat[0] == 0:
+                sender.send(response(0))
+                threading.Thread(target=self.finish_when_released, args=(sender,), daemon=True).start()
+            else:
+                self.released.set()
+                sender.send(response(1), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def finish_when_released(self, sender):
+        released = self.released.wait(60)
+        sender.send(response(2 if released else -1), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+'''
+THREADED_CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [{ name: "ROLE", data_type: TYPE_INT32, dims: [ 1 ] }]
+output [{ name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] }]
+instance_group [{ count: 1, kind: KIND_CPU }]
+"""
+
+
 def write(repo: Path, name: str, source: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(source)
@@ -173,3 +215,4 @@ def build(repo: Path, gate: Path, entered: Path) -> None:
     write(repo, "tplain_stream", PLAIN, PLAIN_CONFIG.replace("max_batch_size: 4", "max_batch_size: 0")
           + "model_transaction_policy { decoupled: true }\n")
     write(repo, "tseq", SEQ, SEQ_CONFIG)
+    write(repo, "tthreaded", THREADED, THREADED_CONFIG)

@@ -1,31 +1,34 @@
 """The decoupled runner: a python model that answers each request with 0..N responses, as they come.
 
 A decoupled model (`model_transaction_policy { decoupled: true }`) is Triton's way to stream from
-user code: a `repeat` model, a tokenizer that emits pieces, a detector that reports as it goes.
-Its `execute` is a generator: every dict it yields is one response, sent at once. Each request runs
-alone on one instance's thread (the model decides how many responses a request gets, so there is
-nothing to join); requests wait for a free instance in arrival order. A caller that goes away stops
-its generator at the next response, and the instance is free again only once its thread is.
+user code: a `repeat` model, a tokenizer that emits pieces, a detector that reports as it goes. Its
+`execute` sends responses through each request's response sender (Ferry's short face: a generator,
+every dict it yields one response). Each request runs alone in an execute on one instance (the
+model decides how many responses a request gets, so there is nothing to join); requests wait for a
+free instance in arrival order. As in Triton, the instance is free again once `execute` returns:
+responses a model sends afterwards (from a thread of its own) still reach their caller, while the
+instance runs the next request. A caller that goes away makes the model's `is_cancelled()` true and
+cancels the BLS calls its request made; what the model sends after that is dropped.
 
 A client's `sequence_id`, `sequence_start` and `sequence_end` become the request's correlation id and
 flags, as the model sees them (Triton's request.correlation_id() and flags()). With `sequence_batching
 { iterative_sequence: true }` each request is a sequence of its own, started with a correlation id
-of its own; a request the model reschedules runs again on its instance at once (the backend's
-`responses` sends it back), so its stream goes on until the model sends its final response.
+of its own; a request the model reschedules runs again on its instance at once (its execute does not
+free the instance), so its stream goes on until the model sends its final response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import numpy as np
 
-from server.backends.base import Backend
+from server.backends.base import STREAM_END, Backend
 from server.errors import BackendError, FerryError, ModelUnavailableError
 from server.observability.metrics import ModelStats, failure_reason
 from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
@@ -35,7 +38,6 @@ from server.runners.sequence_inputs import FLAG_END, FLAG_START
 from server.scheduling.budget import ByteBudget
 from server.tensors.signature import Signature
 
-_DONE = object()
 
 
 class DecoupledRunner(RunnerBase):
@@ -52,7 +54,7 @@ class DecoupledRunner(RunnerBase):
         for i in range(len(backends)):
             self._idle.put_nowait(i)
         self._streams = 0  # admitted, not yet finished
-        self._stops: set[threading.Event] = set()  # one per running generator, set to stop it
+        self._open: set = set()  # the backends' handles of the streams running now
 
     def _backends(self) -> list:
         return self.backends
@@ -100,48 +102,41 @@ class DecoupledRunner(RunnerBase):
             request.sequence_flags = (FLAG_START if start else 0) | (FLAG_END if end else 0)
 
     async def _run(self, instance: int, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The request's responses; the instance goes back to the pool once its execute has returned."""
         loop = asyncio.get_running_loop()
-        responses: asyncio.Queue = asyncio.Queue()
-        stop = threading.Event()
-        self._stops.add(stop)
+        answers: asyncio.Queue = asyncio.Queue()
+        backend = self.backends[instance]
+        strict = not getattr(backend, "per_request", False)
+        freed = False
 
-        def put(item) -> None:
-            loop.call_soon_threadsafe(responses.put_nowait, item)
+        def free() -> None:
+            nonlocal freed
+            if not freed:
+                freed = True
+                self._idle.put_nowait(instance)
 
         started = time.monotonic_ns()
-        running = loop.run_in_executor(self._threads[instance], self._produce, instance, request, put, stop)
-        running.add_done_callback(lambda _: self._idle.put_nowait(instance))  # free once its thread is
+        opening = loop.run_in_executor(self._threads[instance], backend.open_stream, request,
+                                       functools.partial(_on_loop, loop, answers.put_nowait),
+                                       functools.partial(_on_loop, loop, free))
         try:
-            while (item := await responses.get()) is not _DONE:
+            stream = await asyncio.shield(opening)
+        except asyncio.CancelledError:  # the caller left while the model's process started: end what opens
+            opening.add_done_callback(functools.partial(_abandon, free))
+            raise
+        except BaseException:
+            free()  # nothing was sent: no execute will return
+            raise
+        self._open.add(stream)
+        try:
+            while (item := await answers.get()) is not STREAM_END:
                 if isinstance(item, FerryError):
                     raise item
-                yield item
+                yield self._checked(item, strict)
         finally:
-            self._stop(instance, stop)
-            self._stops.discard(stop)
+            stream.cancel()  # nothing more to read: whatever the model still sends is dropped
+            self._open.discard(stream)
         self.stats.record_batch(request.batch_size, 1, 0, time.monotonic_ns() - started, 0)
-
-    def _stop(self, instance: int, stop: threading.Event) -> None:
-        """The stream is over for its caller: stop the generator, and tell the model (is_cancelled())."""
-        if not stop.is_set():
-            stop.set()
-            cancel = getattr(self.backends[instance], "cancel", None)
-            if cancel is not None:
-                cancel()
-
-    def _produce(self, instance: int, request: InferRequest, put, stop: threading.Event) -> None:
-        """On the instance's thread: run the generator, hand each response to the loop."""
-        try:
-            for outputs in self.backends[instance].responses(request, stop):
-                if stop.is_set():
-                    return
-                put(self._checked(outputs, not getattr(self.backends[instance], "per_request", False)))
-        except FerryError as exc:
-            put(exc)
-        except Exception as exc:  # noqa: BLE001 - a model's failure fails its own request
-            put(BackendError(f"model '{self.name}' failed: {type(exc).__name__}: {exc}"))
-        finally:
-            put(_DONE)
 
     def _checked(self, outputs: dict, strict_types: bool = True) -> dict[str, np.ndarray]:
         """Declared outputs only; with `strict_types` in their declared datatype (Triton's Python models
@@ -168,12 +163,32 @@ class DecoupledRunner(RunnerBase):
         """Streams still running end when their generators do; their callers see the stream end."""
 
     async def _shutdown(self) -> None:
-        for stop in list(self._stops):  # past the grace period: generators stop at their next response
-            stop.set()
-        for backend in self.backends:  # ... and a model that sends none is ended (its process killed)
+        for stream in list(self._open):  # past the grace period: what the models still send is dropped
+            stream.cancel()
+        for backend in self.backends:  # ... and a model still running a request is ended (its process killed)
             interrupt = getattr(backend, "interrupt", None)
             if interrupt is not None:
                 interrupt()
         for thread, backend in zip(self._threads, self.backends):
             await asyncio.to_thread(thread.shutdown, True)
             await asyncio.to_thread(backend.unload)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run `fn` on the loop: at once when called there, else handed over (a model process's reader thread)."""
+    if asyncio._get_running_loop() is loop:
+        fn(*args)
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop is closed: nobody is waiting any more
+        pass
+
+
+def _abandon(free, opening: asyncio.Future) -> None:
+    """A stream whose caller left while it opened: cancelled once open (its execute frees the instance),
+    or, if it could not open, its instance freed now."""
+    if opening.cancelled() or opening.exception() is not None:
+        free()
+    else:
+        opening.result().cancel()

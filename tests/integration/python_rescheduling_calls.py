@@ -124,6 +124,35 @@ def sequence(url: str) -> list:
     return answers
 
 
+def threaded(url: str) -> dict:
+    """A's execute returns at once, its thread waiting for B; B is sent once A has answered its first."""
+    received = queue.Queue()
+    client = tc.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: received.put((result, error)))
+    out, finals, errors = {"a": [], "b": []}, 0, []
+
+    def take() -> None:
+        nonlocal finals
+        result, err = received.get(timeout=120)
+        if err is not None:
+            errors.append(str(err))
+            return
+        response = result.get_response()
+        if result.as_numpy("OUT") is not None:  # not the empty final response
+            out[response.id].append(int(result.as_numpy("OUT")[0]))
+        finals += response.parameters["triton_final_response"].bool_param
+
+    client.async_stream_infer("tthreaded", [tensor("ROLE", np.array([0], np.int32), "INT32")], request_id="a",
+                              enable_empty_final_response=True)
+    take()  # A has run (its execute returned; its thread waits)
+    client.async_stream_infer("tthreaded", [tensor("ROLE", np.array([1], np.int32), "INT32")], request_id="b",
+                              enable_empty_final_response=True)
+    while finals < 2 and not errors:
+        take()
+    client.stop_stream()
+    return {"out": out, "errors": errors}
+
+
 def main(url: str, http: str, metrics: str, gate: str, entered: str) -> None:
     client = tc.InferenceServerClient(url)
     out = {"steps": steps(url, metrics, Path(gate), Path(entered))}
@@ -134,6 +163,7 @@ def main(url: str, http: str, metrics: str, gate: str, entered: str) -> None:
     out["plain_after"] = client.infer("tplain", [tensor("IN", np.array([[4]], np.int32), "INT32")]).as_numpy("OUT").tolist()
     out["refused_stream"] = refused_stream(url)
     out["sequence"] = sequence(url)
+    out["threaded"] = threaded(url)
     print(json.dumps(out))
 
 

@@ -2,7 +2,9 @@
 `sequence_batching { iterative_sequence: true }`), with NVIDIA's tritonclient in a subprocess: a
 rescheduled request runs again, batched with what waits, until the model answers it; a decoupled one
 streams until its final response; a model that may not reschedule is refused with Triton's message;
-and a sequence model's Python code sees the client's correlation id and flags."""
+a sequence model's Python code sees the client's correlation id and flags; and, as in Triton, a
+decoupled model's instance takes its next request once execute returns, while the responses of the
+one before still come from a thread of the model's."""
 
 from __future__ import annotations
 
@@ -80,6 +82,14 @@ def test_a_model_that_may_not_reschedule_is_refused_with_tritons_message_and_kee
 def test_a_sequence_models_python_code_sees_the_clients_correlation_id_and_flags(served):
     _, out = served
     assert out["sequence"] == [[42, START, 1], [42, 0, 2], [42, END, 3]]
+
+
+def test_a_decoupled_instance_runs_its_next_request_once_execute_returns(served):
+    _, out = served
+    threaded = out["threaded"]
+    assert threaded["errors"] == []
+    # A's thread was released by B, which ran while A's stream was still open: 2, not -1 after 60 s
+    assert threaded["out"] == {"a": [0, 2], "b": [1]}
 
 
 def test_iterative_sequence_is_refused_for_a_model_that_cannot_reschedule(tmp_path):

@@ -26,7 +26,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from protos import model_config_pb2 as mc
-from server.backends.base import Backend, Device, parameter
+from server.backends.base import STREAM_END, Backend, Device, parameter
 from server.backends.python import priority
 from server.backends.python import protocol as p
 from server.backends.python.faces import defines_auto_complete
@@ -55,7 +55,6 @@ class PythonBackend(Backend):
         self.calls = None  # the server's side of BLS, model control and metrics (server/runners/model_calls.py)
         self._restart_lock = threading.Lock()
         self._in_flight = 0  # calls sent and not answered: unloading with some kills rather than waits for finalize
-        self._streaming: tuple[ModelProcess, int] | None = None  # the decoupled call running now
 
     @property
     def per_request(self) -> bool:
@@ -224,38 +223,20 @@ class PythonBackend(Backend):
         self.priority.answered()
         return [self._outputs(process, reply) for reply in replies]
 
-    def responses(self, request: InferRequest, stop: threading.Event):
-        """A decoupled request: its responses (dicts of outputs) as the model sends them."""
+    def open_stream(self, request: InferRequest, deliver, executed) -> _Stream:
+        """A decoupled request, sent to the model process (started first if it must be: call this on the
+        instance's thread). `deliver(outputs | FerryError | STREAM_END)` gets its responses, `executed()` is
+        called once its execute has returned (the instance may take its next request while responses
+        still come, as in Triton); both on the reader thread or the event loop. Cancel it with the handle."""
         process = self._alive()
-        call, answers = process.stream(self._request(process, request, request.inputs), request.trace)
+        stream = _Stream(self, process, request, deliver, executed)
         self._in_flight += 1
-        self._streaming = (process, call)
         try:
-            for reply, _final in answers:
-                if stop.is_set():
-                    return
-                if reply is None:
-                    continue
-                if reply == p.RESCHEDULE:  # execute returned with the request rescheduled: it runs again now
-                    request.sequence_flags = 0  # neither its sequence's start any more, nor its end
-                    process.restream(call, self._request(process, request, request.inputs))
-                    continue
-                outputs = self._outputs(process, reply)
-                if isinstance(outputs, FerryError):
-                    raise outputs
-                yield outputs
+            process.open_stream(self._request(process, request, request.inputs), stream, request.trace)
         except ProcessDied as exc:
-            raise ModelUnavailableError(str(exc)) from exc
-        finally:
             self._in_flight -= 1
-            self._streaming = None
-            self.priority.answered()  # a stream is judged as one call
-
-    def cancel(self) -> None:
-        """The caller of the stream running now went away: the model's is_cancelled() turns true."""
-        streaming = self._streaming
-        if streaming is not None:
-            streaming[0].cancel(streaming[1])
+            raise ModelUnavailableError(str(exc)) from exc
+        return stream
 
     def _request(self, process: ModelProcess, request: InferRequest, inputs: dict[str, np.ndarray]) -> p.Request:
         params = request.parameters
@@ -294,3 +275,66 @@ def _deadline(requests: list[InferRequest]) -> int | None:
     """What BLS calls made for these requests inherit: the earliest deadline, when every request has one."""
     deadlines = [r.deadline_ns for r in requests if r.deadline_ns is not None]
     return min(deadlines) if deadlines and len(deadlines) == len(requests) else None
+
+
+class _Stream:
+    """One decoupled request in a model process: its answers turned into outputs for the runner. Over
+    once the final response came (or its caller left) and its execute returned; a dead process ends it
+    with UNAVAILABLE."""
+
+    def __init__(self, backend: PythonBackend, process: ModelProcess, request: InferRequest, deliver, executed):
+        self.backend, self.process, self.request = backend, process, request
+        self._deliver, self._executed = deliver, executed
+        self.call = 0  # set by the process before anything is sent
+        self._final = self._ran = self._left = self._closed = False
+        self._lock = threading.Lock()  # answers come on the reader thread, the caller leaves on the event loop
+
+    def put(self, answer) -> None:
+        """From the model process (its reader thread or the event loop)."""
+        with self._lock:
+            self._put(answer)
+
+    def _put(self, answer) -> None:
+        if isinstance(answer, ProcessDied):
+            self._end(ModelUnavailableError(str(answer)))
+            self._returned()
+            return
+        reply, final = answer
+        if reply == p.EXECUTED:
+            self._returned()
+        elif reply == p.RESCHEDULE:  # execute returned with the request rescheduled: it runs again now
+            self.request.sequence_flags = 0  # neither its sequence's start any more, nor its end
+            self.process.restream(self.call, self.backend._request(self.process, self.request, self.request.inputs))
+        elif reply is not None and not self._left:
+            self._deliver(self.backend._outputs(self.process, reply))
+        if final:
+            self._end(STREAM_END)
+
+    def cancel(self) -> None:
+        """On the event loop: the caller went away (or has read the final response): the model's
+        is_cancelled() turns true if it still runs; what it sends from now on is dropped."""
+        with self._lock:
+            if not self._final and not self._left:
+                self.process.cancel(self.call)
+            self._left = True
+            self._close()
+
+    def _end(self, last) -> None:
+        if not self._final:
+            self._final = True
+            if not self._left:
+                self._deliver(last)
+            self._close()
+
+    def _returned(self) -> None:
+        if not self._ran:
+            self._ran = True
+            self._executed()
+            self._close()
+
+    def _close(self) -> None:
+        if self._ran and (self._final or self._left) and not self._closed:
+            self._closed = True
+            self.process.close(self.call)
+            self.backend._in_flight -= 1
+            self.backend.priority.answered()  # a stream is judged as one call

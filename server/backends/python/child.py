@@ -214,14 +214,15 @@ class Host:
         except BaseException as exc:  # noqa: BLE001
             if call in self._streaming:
                 self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
+            self.link.send((p.RESPONSE, call, p.EXECUTED, False))
             return
         released = self._released(built)
-        if released is None or call not in self._streaming:  # done, or its final response is sent: nothing to rerun
-            return
-        if released == p.RESCHEDULE:
+        if released == p.RESCHEDULE and call in self._streaming:  # no final response yet: it runs again
             self.link.send((p.RESPONSE, call, p.RESCHEDULE, False))
-        else:
+            return
+        if released is not None and released != p.RESCHEDULE and call in self._streaming:
             self.respond(call, pb.InferenceResponse(error=pb.TritonError(released.error[1], released.error[0])), True)
+        self.link.send((p.RESPONSE, call, p.EXECUTED, False))  # the instance is free; senders may go on
 
     def _released(self, request: pb.InferenceRequest) -> str | p.Reply | None:
         """What a request the model rescheduled gets in place of a response (Triton ignores one the

@@ -36,7 +36,6 @@ from server.ipc.frames import FrameSocket
 log = logging.getLogger(__name__)
 _ROOT = Path(__file__).resolve().parents[3]  # the folder holding the `server` package
 _names = itertools.count()
-_STOPPED = object()  # a stream's caller went away: its thread stops waiting
 _LOG_LEVELS = {0: logging.INFO, 1: logging.WARNING, 2: logging.ERROR, 3: logging.DEBUG}
 
 
@@ -189,37 +188,33 @@ class ModelProcess:
             return
         self._send((frame_kind, call, body, self._take_freed()))
 
-    def stream(self, request: p.Request, trace=None):
-        """A decoupled request: yields (Reply | None, final) as they come; `cancel` it with the returned id.
-        `trace`: the request's, when it is traced (its BLS calls' traces are its children)."""
-        call = next(self._ids)
-        answers = self._wait_on(call)
+    def open_stream(self, request: p.Request, sink, trace=None) -> int:
+        """A decoupled request: `sink.put((Reply | marker | None, final))` for each answer, or
+        `sink.put(ProcessDied)`, on the reader thread or the event loop, until `close(call)`; `sink.call`
+        is set to the call before anything is sent (its answers may come before this returns). `trace`:
+        the request's, when it is traced (its BLS calls' traces are its children)."""
+        call = sink.call = next(self._ids)
+        if self.death is not None:
+            raise ProcessDied(self.death)
+        self._waiting[call] = sink
         self._made[call] = _Made(1)
         if trace is not None:
             self._traces[call] = [trace]
+        if self.death is not None:  # it died between the check and the entry: the reader may have passed it
+            sink.put(ProcessDied(self.death))
         self._send((p.STREAM, call, request, self._take_freed()))
-        return call, self._answers(call, answers)
+        return call
 
     def restream(self, call: int, request: p.Request) -> None:
         """Run a decoupled request again under its call (the model rescheduled it): its answers keep
         coming to the same stream. A process that died meanwhile has answered the stream already."""
         self._send((p.STREAM, call, request, self._take_freed()))
 
-    def _answers(self, call: int, answers: queue.Queue):
-        try:
-            while True:
-                item = answers.get()
-                if item is _STOPPED:
-                    return
-                if isinstance(item, ProcessDied):
-                    raise item
-                yield item
-                if item[1]:
-                    return
-        finally:
-            self._waiting.pop(call, None)
-            self._made.pop(call, None)
-            self._traces.pop(call, None)
+    def close(self, call: int) -> None:
+        """A stream is over (its final response came or its caller left, and its execute returned)."""
+        self._waiting.pop(call, None)
+        self._made.pop(call, None)
+        self._traces.pop(call, None)
 
     def is_ready(self, timeout_s: float) -> bool:
         """The model's is_ready(), answered within `timeout_s` or taken as "not ready" (Triton's 5 s)."""
@@ -234,12 +229,10 @@ class ModelProcess:
             self._checks.pop(ref, None)
 
     def cancel(self, call: int) -> None:
-        """The stream's caller went away: tell the model (is_cancelled()), cancel the BLS calls it made, and
-        stop waiting for it, so a model that never sends its final response does not hold the instance's thread."""
-        target = self._waiting.get(call)
-        if target is not None:
+        """On the event loop: the stream's caller went away: tell the model (is_cancelled()) and cancel the
+        BLS calls it made."""
+        if call in self._waiting:
             self._cancel_made(call)
-            target.put(_STOPPED)
 
     def follow(self, call: int, callers: list) -> None:
         """Give each of an EXEC's requests a `caller_left` function (its runner calls it when the caller

@@ -12,9 +12,12 @@ Server -> model process:
   CHECK(ref)                             the model's is_ready(); answered CHECKED(ref, bool)
   AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
   EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply | RESCHEDULE], freed)
-  STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply, final) 0..N times,
-                                         or RESPONSE(call, RESCHEDULE, False): execute returned with the request
-                                         rescheduled; the server sends STREAM again under the same call
+  STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply | None, final) 0..N
+                                         times (None: the final flag alone) and, once execute returns,
+                                         RESPONSE(call, EXECUTED, False) (its responses may still come after:
+                                         the instance takes its next request) or RESPONSE(call, RESCHEDULE,
+                                         False): the request was rescheduled; the server sends STREAM again
+                                         under the same call
   CANCEL(call)                           the callers of an EXEC or STREAM went away (is_cancelled() turns true;
                                          the server cancels the BLS calls it made, answered CALLED CANCELLED)
   CALLED(ref, Reply | None, final)       an answer to a BLS call or a model-control call
@@ -42,6 +45,7 @@ READY, FAILED, DONE, RESPONSE, CALL, CONTROL, METRIC, LOG = (
     "ready", "failed", "done", "response", "call", "control", "metric", "log")
 CHECK, CHECKED, HANDOVER = "check", "checked", "handover"
 RESCHEDULE = "reschedule"  # in place of a Reply: the model released the request to run it again later
+EXECUTED = "executed"  # in place of a Reply: a decoupled request's execute returned
 
 TRITON, FERRY = "triton", "ferry"  # the two faces of a model.py: `class TritonPythonModel` or `class Model`
 
