@@ -14,6 +14,8 @@ Ferry's tests: each keeps its state per correlation id, so requests interleave a
 - tthreaded: decoupled, one instance, like NVIDIA's repeat example: execute returns at once and a
   thread sends the rest. A request with ROLE 0 answers 0, then waits (from its thread) until a ROLE 1
   request has run, and ends with 2 (-1 if none came within 60 s); ROLE 1 answers 1 and ends.
+- tasync: the same with `async def execute` (Triton 24.04's async execute for decoupled models): ROLE
+  0 awaits an asyncio event that a ROLE 1 request sets.
 """
 
 from __future__ import annotations
@@ -202,6 +204,39 @@ instance_group [{ count: 1, kind: KIND_CPU }]
 """
 
 
+ASYNC = '''
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def response(value):
+    return pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([value], np.int32))])
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.released = None  # made on the loop that runs execute
+
+    async def execute(self, requests):
+        if self.released is None:
+            self.released = asyncio.Event()
+        for request in requests:
+            sender = request.get_response_sender()
+            if pb_utils.get_input_tensor_by_name(request, "ROLE").as_numpy().flat[0] == 0:
+                sender.send(response(0))
+                try:
+                    await asyncio.wait_for(self.released.wait(), 60)
+                    sender.send(response(2), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                except asyncio.TimeoutError:
+                    sender.send(response(-1), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                self.released.set()
+                sender.send(response(1), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
 def write(repo: Path, name: str, source: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(source)
@@ -216,3 +251,4 @@ def build(repo: Path, gate: Path, entered: Path) -> None:
           + "model_transaction_policy { decoupled: true }\n")
     write(repo, "tseq", SEQ, SEQ_CONFIG)
     write(repo, "tthreaded", THREADED, THREADED_CONFIG)
+    write(repo, "tasync", ASYNC, THREADED_CONFIG)

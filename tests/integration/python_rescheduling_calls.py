@@ -124,7 +124,7 @@ def sequence(url: str) -> list:
     return answers
 
 
-def threaded(url: str) -> dict:
+def threaded(url: str, model: str = "tthreaded") -> dict:
     """A's execute returns at once, its thread waiting for B; B is sent once A has answered its first."""
     received = queue.Queue()
     client = tc.InferenceServerClient(url)
@@ -142,10 +142,10 @@ def threaded(url: str) -> dict:
             out[response.id].append(int(result.as_numpy("OUT")[0]))
         finals += response.parameters["triton_final_response"].bool_param
 
-    client.async_stream_infer("tthreaded", [tensor("ROLE", np.array([0], np.int32), "INT32")], request_id="a",
+    client.async_stream_infer(model, [tensor("ROLE", np.array([0], np.int32), "INT32")], request_id="a",
                               enable_empty_final_response=True)
     take()  # A has run (its execute returned; its thread waits)
-    client.async_stream_infer("tthreaded", [tensor("ROLE", np.array([1], np.int32), "INT32")], request_id="b",
+    client.async_stream_infer(model, [tensor("ROLE", np.array([1], np.int32), "INT32")], request_id="b",
                               enable_empty_final_response=True)
     while finals < 2 and not errors:
         take()
@@ -164,6 +164,7 @@ def main(url: str, http: str, metrics: str, gate: str, entered: str) -> None:
     out["refused_stream"] = refused_stream(url)
     out["sequence"] = sequence(url)
     out["threaded"] = threaded(url)
+    out["async"] = threaded(url, "tasync")
     print(json.dumps(out))
 
 

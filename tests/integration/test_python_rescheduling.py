@@ -92,6 +92,12 @@ def test_a_decoupled_instance_runs_its_next_request_once_execute_returns(served)
     assert threaded["out"] == {"a": [0, 2], "b": [1]}
 
 
+def test_a_decoupled_async_execute_lets_the_next_request_start_while_it_awaits(served):
+    _, out = served
+    assert out["async"]["errors"] == []
+    assert out["async"]["out"] == {"a": [0, 2], "b": [1]}  # B's execute ran while A's awaited
+
+
 def test_iterative_sequence_is_refused_for_a_model_that_cannot_reschedule(tmp_path):
     repo = tmp_path / "repo"
     builders.add_sub(repo / "onnx_iter" / "1" / "model.onnx")

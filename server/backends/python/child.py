@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import json
 import os
@@ -210,19 +211,34 @@ class Host:
         self._current = call
         built = self._request(request, call)
         try:
-            self.face.run_decoupled([built], [pb.InferenceResponseSender(self, call)])
+            # An async execute awaits on the instance's own loop, so the next request starts meanwhile (as in
+            # Triton); not where requests may be rescheduled: that is decided when execute returns.
+            running = self.face.run_decoupled([built], [pb.InferenceResponseSender(self, call)],
+                                              concurrent=not self._iterative)
         except BaseException as exc:  # noqa: BLE001
-            if call in self._streaming:
-                self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
-            self.link.send((p.RESPONSE, call, p.EXECUTED, False))
+            running = None
+            self._failed(call, exc)
+        if running is not None:
+            running.add_done_callback(functools.partial(self._async_done, call))
+        if running is not None or call not in self._streaming or not built._rescheduled():
+            self.link.send((p.RESPONSE, call, p.EXECUTED, False))  # the instance is free; senders may go on
             return
-        released = self._released(built)
-        if released == p.RESCHEDULE and call in self._streaming:  # no final response yet: it runs again
+        released = self._released(built)  # rescheduled, with no final response yet
+        if released == p.RESCHEDULE:  # it runs again
             self.link.send((p.RESPONSE, call, p.RESCHEDULE, False))
             return
-        if released is not None and released != p.RESCHEDULE and call in self._streaming:
-            self.respond(call, pb.InferenceResponse(error=pb.TritonError(released.error[1], released.error[0])), True)
-        self.link.send((p.RESPONSE, call, p.EXECUTED, False))  # the instance is free; senders may go on
+        self.respond(call, pb.InferenceResponse(error=pb.TritonError(released.error[1], released.error[0])), True)
+        self.link.send((p.RESPONSE, call, p.EXECUTED, False))
+
+    def _async_done(self, call: int, done: Future) -> None:
+        """On the instance's async loop: a decoupled async execute is over."""
+        if not done.cancelled() and done.exception() is not None:
+            self._failed(call, done.exception())
+
+    def _failed(self, call: int, exc: BaseException) -> None:
+        """A decoupled execute raised: its request ends with the message, unless its final response is out."""
+        if call in self._streaming:
+            self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
 
     def _released(self, request: pb.InferenceRequest) -> str | p.Reply | None:
         """What a request the model rescheduled gets in place of a response (Triton ignores one the

@@ -14,6 +14,8 @@ import asyncio
 import importlib.util
 import inspect
 import sys
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +50,7 @@ class Face:
 
     def __init__(self, model, loop: asyncio.AbstractEventLoop):
         self.model, self.loop = model, loop
+        self._async_loop: asyncio.AbstractEventLoop | None = None  # decoupled async executes (_executing)
 
     def _wait(self, result):
         return self.loop.run_until_complete(result) if inspect.isawaitable(result) else result
@@ -77,7 +80,10 @@ class Face:
     def run(self, requests: list[pb.InferenceRequest]) -> list[pb.InferenceResponse]:
         raise NotImplementedError
 
-    def run_decoupled(self, requests: list[pb.InferenceRequest], senders: list[pb.InferenceResponseSender]) -> None:
+    def run_decoupled(self, requests: list[pb.InferenceRequest], senders: list[pb.InferenceResponseSender],
+                      concurrent: bool = False) -> Future | None:
+        """Run a decoupled execute. With `concurrent`, an `async def execute` is started on the instance's
+        own event loop and its future returned at once (None: execute is over)."""
         raise NotImplementedError
 
 
@@ -95,11 +101,21 @@ class TritonFace(Face):
                                           f"{len(requests)} requests, got {got}")
         return list(responses)
 
-    def run_decoupled(self, requests, senders):
-        returned = self._wait(self.model.execute(requests))
-        if returned is not None:
-            raise pb.TritonModelException("a decoupled model's execute must return None (responses go through "
-                                          "each request's response sender)")
+    def run_decoupled(self, requests, senders, concurrent=False):
+        returned = self.model.execute(requests)
+        if concurrent and inspect.isawaitable(returned):
+            return asyncio.run_coroutine_threadsafe(_returns_none(returned), self._executing())
+        if self._wait(returned) is not None:
+            raise pb.TritonModelException(_RETURNS_NONE)
+        return None
+
+    def _executing(self) -> asyncio.AbstractEventLoop:
+        """Triton's async execute for decoupled models: every request's coroutine runs on one event loop
+        of the instance's, so the next request starts while one awaits."""
+        if self._async_loop is None:
+            self._async_loop = asyncio.new_event_loop()
+            threading.Thread(target=self._async_loop.run_forever, name="ferry-async-execute", daemon=True).start()
+        return self._async_loop
 
 
 class FerryFace(Face):
@@ -112,7 +128,7 @@ class FerryFace(Face):
     def run(self, requests):
         return [self._response(self.model.execute(_arrays(r))) for r in requests]
 
-    def run_decoupled(self, requests, senders):
+    def run_decoupled(self, requests, senders, concurrent=False):
         for request, sender in zip(requests, senders):
             produced = self.model.execute(_arrays(request))
             if isinstance(produced, dict):
@@ -123,6 +139,7 @@ class FerryFace(Face):
                     break
                 sender.send(self._response(outputs))
             sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
 
     @staticmethod
     def _response(outputs) -> pb.InferenceResponse:
@@ -130,6 +147,14 @@ class FerryFace(Face):
             raise pb.TritonModelException(f"execute must return a dict of output name -> array, "
                                           f"got {type(outputs).__name__}")
         return pb.InferenceResponse([pb.Tensor(name, np.asarray(value)) for name, value in outputs.items()])
+
+
+_RETURNS_NONE = "a decoupled model's execute must return None (responses go through each request's response sender)"
+
+
+async def _returns_none(execute) -> None:
+    if await execute is not None:
+        raise pb.TritonModelException(_RETURNS_NONE)
 
 
 def _arrays(request: pb.InferenceRequest) -> dict[str, np.ndarray]:
