@@ -128,6 +128,7 @@ class DecoupledRunner(RunnerBase):
             free()  # nothing was sent: no execute will return
             raise
         self._open.add(stream)
+        backend.read_on_loop()
         try:
             while (item := await answers.get()) is not STREAM_END:
                 if isinstance(item, FerryError):

@@ -238,6 +238,13 @@ class PythonBackend(Backend):
             raise ModelUnavailableError(str(exc)) from exc
         return stream
 
+    def read_on_loop(self) -> None:
+        """On the event loop: the process's answers are read by the loop from now on, so a stream's
+        responses reach their caller without a thread hop and a loop wake-up each."""
+        process = self.process
+        if process is not None and process.death is None and not process.on_loop:
+            process.hand_over(asyncio.get_running_loop())
+
     def _request(self, process: ModelProcess, request: InferRequest, inputs: dict[str, np.ndarray]) -> p.Request:
         params = request.parameters
         return p.Request(request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
