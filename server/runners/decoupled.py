@@ -39,7 +39,6 @@ from server.scheduling.budget import ByteBudget
 from server.tensors.signature import Signature
 
 
-
 class DecoupledRunner(RunnerBase):
     serves = DECOUPLED
 
