@@ -52,6 +52,7 @@ class SequenceRunner(RunnerBase):
         super().__init__(inner.name, inner.version, inner.stats, inner.budget)
         self.inner, self.extra, self.slots, self.iterative = inner, extra, slots, iterative
         self._ids = itertools.count(1)  # correlation ids of iterative sequences the client did not name
+        self._string_ids = any(c.kind == CORRID and c.dtype.api == "BYTES" for c in extra.controls)
         self._tails: dict[object, asyncio.Future] = {}  # per sequence: its last request's completion
         self._busy: dict[object, int] = {}  # sequences with a request in flight (never released idle)
         self._backlog: collections.deque[tuple[object, asyncio.Future]] = collections.deque()  # waiting STARTs
@@ -133,10 +134,9 @@ class SequenceRunner(RunnerBase):
             return SequenceFlags(sequence_flags(params, self.name).cid, True, False)
         params.pop("sequence_start", None)
         params.pop("sequence_end", None)
-        strings = any(c.kind == CORRID and c.dtype.api == "BYTES" for c in self.extra.controls)
         cid = None
         while cid is None or cid in self._tails:
-            cid = str(next(self._ids)) if strings else next(self._ids)
+            cid = str(next(self._ids)) if self._string_ids else next(self._ids)
         return SequenceFlags(cid, True, False)
 
     async def _wait_for_slot(self, cid, deadline_ns: int | None):

@@ -227,7 +227,7 @@ class Host:
         if released == p.RESCHEDULE:  # it runs again
             self.link.send((p.RESPONSE, call, p.RESCHEDULE, False))
             return
-        self.respond(call, pb.InferenceResponse(error=pb.TritonError(released.error[1], released.error[0])), True)
+        self.respond(call, self._response(released), True)  # refused: the model may not reschedule
         self.link.send((p.RESPONSE, call, p.EXECUTED, False))
 
     def _async_done(self, call: int, done: Future) -> None:

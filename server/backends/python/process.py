@@ -194,14 +194,10 @@ class ModelProcess:
         is set to the call before anything is sent (its answers may come before this returns). `trace`:
         the request's, when it is traced (its BLS calls' traces are its children)."""
         call = sink.call = next(self._ids)
-        if self.death is not None:
-            raise ProcessDied(self.death)
-        self._waiting[call] = sink
+        self._wait_on(call, sink)
         self._made[call] = _Made(1)
         if trace is not None:
             self._traces[call] = [trace]
-        if self.death is not None:  # it died between the check and the entry: the reader may have passed it
-            sink.put(ProcessDied(self.death))
         self._send((p.STREAM, call, request, self._take_freed()))
         return call
 
@@ -289,10 +285,11 @@ class ModelProcess:
         made.calls.add(future)
         future.add_done_callback(made.calls.discard)
 
-    def _wait_on(self, call: int) -> queue.Queue:
+    def _wait_on(self, call: int, answers=None):
+        """Where the call's answers go (a new queue unless given: anything with `put`)."""
         if self.death is not None:
             raise ProcessDied(self.death)
-        answers = self._waiting[call] = queue.Queue()
+        answers = self._waiting[call] = answers if answers is not None else queue.Queue()
         if self.death is not None:  # it died between the check and the entry: the reader may have passed it
             answers.put(ProcessDied(self.death))
         return answers
