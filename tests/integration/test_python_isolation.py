@@ -197,7 +197,8 @@ def _alive(pid: int) -> bool:
 
 def _autogroup_nice(pid: int) -> int | None:
     """The nice value of the process's autogroup (Linux shares the CPU between sessions by it first), or
-    None where the kernel has no autogroups or the process is in none (an empty file: a container's cgroup)."""
+    None where the kernel has no autogroups or the process is in the root one (an empty file, weighing as
+    nice 0: a server started from init's session, as CI's is)."""
     try:
         text = Path(f"/proc/{pid}/autogroup").read_text()
     except OSError:
@@ -208,8 +209,8 @@ def _autogroup_nice(pid: int) -> int | None:
 def _yields_by(pid: int, server, by: int) -> bool:
     """Whether the process's autogroup sits `by` nice levels below the server's, wherever there are
     autogroups; or the server said it could not set it (some sandboxes refuse the write or keep nothing)."""
-    ours = _autogroup_nice(server.proc.pid)
-    return (_autogroup_nice(pid) == (None if ours is None else min(19, ours + by))
+    theirs = _autogroup_nice(pid)
+    return (theirs is None or theirs == min(19, (_autogroup_nice(server.proc.pid) or 0) + by)
             or "autogroup priority could not be lowered" in server.output)
 
 

@@ -112,10 +112,11 @@ class ModelProcess:
         for thread in threads:
             with contextlib.suppress(ProcessLookupError):  # a thread (or the process) that ended meanwhile
                 os.setpriority(os.PRIO_PROCESS, thread, nice)
-        ours = _autogroup_nice("self")
-        if ours is None:
-            return  # no autogroups here (or not for this server's cgroup): the nice value is the whole story
-        want = min(19, ours + by)
+        if _autogroup_nice(self.pid) is None:
+            return  # no autogroups here (or the process ended): the nice value is the whole story
+        # A server in the root autogroup (started from init's session, as in many containers) reads an
+        # empty file; that group weighs as nice 0, and its model processes still get sessions of their own.
+        want = min(19, (_autogroup_nice("self") or 0) + by)
         for _ in range(5):
             try:
                 Path(f"/proc/{self.pid}/autogroup").write_text(str(want))
@@ -479,7 +480,7 @@ def _signal_name(number: int) -> str:
 
 def _autogroup_nice(pid: int | str) -> int | None:
     """The nice value of a process's autogroup; None where there is none to read (no autogroups in the
-    kernel, a process outside the root cgroup shows an empty file, or it ended)."""
+    kernel, a process in the root autogroup shows an empty file, or it ended)."""
     try:
         text = Path(f"/proc/{pid}/autogroup").read_text()
         return int(text.split("nice")[1]) if "nice" in text else None
