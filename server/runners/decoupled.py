@@ -3,9 +3,12 @@
 A decoupled model (`model_transaction_policy { decoupled: true }`) is Triton's way to stream from
 user code: a `repeat` model, a tokenizer that emits pieces, a detector that reports as it goes. Its
 `execute` sends responses through each request's response sender (Ferry's short face: a generator,
-every dict it yields one response). Each request runs alone in an execute on one instance (the
-model decides how many responses a request gets, so there is nothing to join); requests wait for a
-free instance in arrival order. As in Triton, the instance is free again once `execute` returns:
+every dict it yields one response). Requests wait for a free instance in arrival order. A model with
+`dynamic_batching` and a `max_batch_size` gets the requests waiting then (up to max_batch_size rows,
+those that can be joined with the oldest: the same shapes past dim 0) in one execute, as Triton's
+dynamic batcher gives them, each with its own response sender; `max_queue_delay_microseconds` lets a
+batch wait for more rows while an instance is free. Otherwise each request runs alone in its execute.
+As in Triton, the instance is free again once `execute` returns:
 responses a model sends afterwards (from a thread of its own) still reach their caller, while the
 instance runs the next request. A caller that goes away makes the model's `is_cancelled()` true and
 cancels the BLS calls its request made; what the model sends after that is dropped.
@@ -20,10 +23,12 @@ free the instance), so its stream goes on until the model sends its final respon
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import numpy as np
@@ -39,19 +44,38 @@ from server.scheduling.budget import ByteBudget
 from server.tensors.signature import Signature
 
 
+@dataclass(frozen=True, slots=True)
+class StreamBatching:
+    """How many requests one execute of a decoupled model gets (Triton's dynamic batcher's settings)."""
+
+    max_batch_size: int = 0  # rows per execute; 0: one request per execute
+    max_queue_delay_ns: int = 0  # how long a batch that is not full may wait for more while an instance is free
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    """A request waiting for an instance: its caller awaits `opened` (the backend's stream handle)."""
+
+    request: InferRequest
+    answers: asyncio.Queue
+    opened: asyncio.Future
+
+
 class DecoupledRunner(RunnerBase):
     serves = DECOUPLED
 
     def __init__(self, name: str, version: int, backends: list[Backend], signature: Signature, stats: ModelStats,
-                 budget: ByteBudget | None = None, iterative: bool = False):
+                 budget: ByteBudget | None = None, iterative: bool = False, batching: StreamBatching = StreamBatching()):
         super().__init__(name, version, stats, budget)
         self.iterative = iterative
+        self.batching = batching
         self._ids = itertools.count(1)  # correlation ids of iterative sequences the client did not name
         self.backends, self.signature = backends, signature
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{version}-{i}") for i in range(len(backends))]
-        self._idle: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(len(backends)):
-            self._idle.put_nowait(i)
+        self._free: collections.deque[int] = collections.deque(range(len(backends)))
+        self._waiting: collections.deque[_Waiting] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None  # a batch's queue delay running out
+        self._opening: set[asyncio.Task] = set()
         self._streams = 0  # admitted, not yet finished
         self._open: set = set()  # the backends' handles of the streams running now
 
@@ -69,11 +93,7 @@ class DecoupledRunner(RunnerBase):
         if trace is not None:
             trace.mark(QUEUE_START)
         try:
-            instance = await self._idle.get()
-            self.stats.record_queued(time.monotonic_ns() - request.arrival_ns)
-            if trace is not None:
-                trace.mark(COMPUTE_START)
-            async for outputs in self._run(instance, request):
+            async for outputs in self._run(request):
                 if trace is not None:
                     trace.mark(INFER_RESPONSE_COMPLETE)
                 yield outputs
@@ -100,43 +120,119 @@ class DecoupledRunner(RunnerBase):
             request.correlation_id = cid
             request.sequence_flags = (FLAG_START if start else 0) | (FLAG_END if end else 0)
 
-    async def _run(self, instance: int, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
-        """The request's responses; the instance goes back to the pool once its execute has returned."""
-        loop = asyncio.get_running_loop()
-        answers: asyncio.Queue = asyncio.Queue()
-        backend = self.backends[instance]
-        strict = not getattr(backend, "per_request", False)
-        freed = False
-
-        def free() -> None:
-            nonlocal freed
-            if not freed:
-                freed = True
-                self._idle.put_nowait(instance)
-
-        started = time.monotonic_ns()
-        opening = loop.run_in_executor(self._threads[instance], backend.open_stream, request,
-                                       functools.partial(_on_loop, loop, answers.put_nowait),
-                                       functools.partial(_on_loop, loop, free))
+    async def _run(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The request's responses, once a free instance has taken it (in a batch where the model batches)."""
+        waiting = _Waiting(request, asyncio.Queue(), asyncio.get_running_loop().create_future())
+        self._waiting.append(waiting)
+        self._dispatch()
         try:
-            stream = await asyncio.shield(opening)
-        except asyncio.CancelledError:  # the caller left while the model's process started: end what opens
-            opening.add_done_callback(functools.partial(_abandon, free))
+            stream = await waiting.opened  # a caller that leaves cancels it: its batch drops it
+        except asyncio.CancelledError:
+            if waiting in self._waiting:
+                self._waiting.remove(waiting)
+                self.stats.set_pending(len(self._waiting))
             raise
-        except BaseException:
-            free()  # nothing was sent: no execute will return
-            raise
-        self._open.add(stream)
-        backend.read_on_loop()
+        strict = not getattr(stream.backend, "per_request", False)
         try:
-            while (item := await answers.get()) is not STREAM_END:
+            while (item := await waiting.answers.get()) is not STREAM_END:
                 if isinstance(item, FerryError):
                     raise item
                 yield self._checked(item, strict)
         finally:
             stream.cancel()  # nothing more to read: whatever the model still sends is dropped
             self._open.discard(stream)
-        self.stats.record_batch(request.batch_size, 1, 0, time.monotonic_ns() - started, 0)
+
+    # ---- feeding the instances, on the event loop
+    def _dispatch(self) -> None:
+        """Give free instances the batches that are ready: after an arrival, a freed instance or a batch's
+        queue delay running out."""
+        while self._free and self._waiting:
+            batch = self._next_batch()
+            if batch is None:
+                break  # a batch waits for more rows: the timer is set
+            task = asyncio.ensure_future(self._start(self._free.popleft(), batch))
+            self._opening.add(task)
+            task.add_done_callback(self._opening.discard)
+        self.stats.set_pending(len(self._waiting))
+
+    def _next_batch(self) -> list[_Waiting] | None:
+        """The oldest waiting request with those that can join it, up to max_batch_size rows; None while
+        such a batch is not full and may still wait (max_queue_delay_microseconds)."""
+        waiting = self._waiting
+        while waiting and waiting[0].opened.done():  # its caller left
+            waiting.popleft()
+        if not waiting:
+            return None
+        head = waiting[0]
+        limit = self.batching.max_batch_size
+        if limit <= 0:
+            return [waiting.popleft()]
+        batch, rows = [], 0
+        for entry in waiting:
+            request = entry.request
+            if not entry.opened.done() and request.batch_key == head.request.batch_key and rows + request.batch_size <= limit:
+                batch.append(entry)
+                rows += request.batch_size
+                if rows == limit:
+                    break
+        close_ns = head.request.arrival_ns + self.batching.max_queue_delay_ns
+        if rows < limit and time.monotonic_ns() < close_ns:
+            if self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later((close_ns - time.monotonic_ns()) / 1e9, self._closed)
+            return None
+        chosen = set(map(id, batch))
+        self._waiting = collections.deque(e for e in waiting if id(e) not in chosen)
+        return batch
+
+    def _closed(self) -> None:
+        self._timer = None
+        self._dispatch()
+
+    async def _start(self, instance: int, batch: list[_Waiting]) -> None:
+        """Open the batch's streams on the instance (its thread: the model's process may have to start);
+        the instance is free again once the execute has returned for every request."""
+        loop = asyncio.get_running_loop()
+        backend, now = self.backends[instance], time.monotonic_ns()
+        for entry in batch:
+            self.stats.record_queued(now - entry.request.arrival_ns)
+            if entry.request.trace is not None:
+                entry.request.trace.mark(COMPUTE_START)
+        remaining = len(batch)
+
+        def executed() -> None:
+            nonlocal remaining
+            remaining -= 1
+            if remaining == 0:
+                rows = sum(e.request.batch_size for e in batch)
+                self.stats.record_batch(rows, len(batch), 0, time.monotonic_ns() - now, 0)
+                self._free.append(instance)
+                self._dispatch()
+
+        try:
+            streams = await loop.run_in_executor(
+                self._threads[instance], backend.open_streams, [e.request for e in batch],
+                [functools.partial(_on_loop, loop, e.answers.put_nowait) for e in batch],
+                functools.partial(_on_loop, loop, executed))
+        except BaseException as exc:  # nothing was sent: no execute will return
+            self._free.append(instance)
+            self._dispatch()
+            for entry in batch:
+                if entry.opened.done():
+                    continue
+                if isinstance(exc, asyncio.CancelledError):  # the server is stopping
+                    entry.opened.cancel()
+                else:
+                    entry.opened.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for entry, stream in zip(batch, streams):
+            if entry.opened.done():  # its caller left while the batch opened: what it sends is dropped
+                stream.cancel()
+            else:
+                self._open.add(stream)
+                entry.opened.set_result(stream)
+        backend.read_on_loop()
 
     def _checked(self, outputs: dict, strict_types: bool = True) -> dict[str, np.ndarray]:
         """Declared outputs only; with `strict_types` in their declared datatype (Triton's Python models
@@ -183,12 +279,3 @@ def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop is closed: nobody is waiting any more
         pass
-
-
-def _abandon(free, opening: asyncio.Future) -> None:
-    """A stream whose caller left while it opened: cancelled once open (its execute frees the instance),
-    or, if it could not open, its instance freed now."""
-    if opening.cancelled() or opening.exception() is not None:
-        free()
-    else:
-        opening.result().cancel()

@@ -24,7 +24,7 @@ from server.response_cache import ResponseCache
 from server.repository.ensemble_config import step_order
 from server.runners.base import Runner
 from server.runners.batch import ModelRunner
-from server.runners.decoupled import DecoupledRunner
+from server.runners.decoupled import DecoupledRunner, StreamBatching
 from server.runners.sequence import SequenceRunner
 from server.runners.sequence_inputs import SequenceInputs
 from server.runners.ensemble import EnsembleRunner, LateLookup
@@ -157,8 +157,18 @@ def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget:
     if entry.config.backend != "python":
         raise ConfigError(f"model '{name}': model_transaction_policy.decoupled needs the python backend "
                           f"(a model.py whose execute yields responses), not {entry.config.backend!r}")
-    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget,
-                           iterative=_iterative(name, entry.config))
+    config = entry.config
+    iterative = _iterative(name, config)
+    batching = StreamBatching()
+    if config.max_batch_size > 0 and config.HasField("dynamic_batching") and not iterative:
+        db = config.dynamic_batching
+        batching = StreamBatching(config.max_batch_size, db.max_queue_delay_microseconds * 1000)
+        unused = [f.name for f, _ in db.ListFields() if f.name not in ("max_queue_delay_microseconds", "preserve_ordering")]
+        if unused:
+            log.warning("model '%s': a decoupled model's batches are cut by max_batch_size and "
+                        "max_queue_delay_microseconds alone; dynamic_batching %s does not apply to it",
+                        name, ", ".join(unused))
+    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget, iterative, batching)
 
 
 def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats,

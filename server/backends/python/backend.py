@@ -223,20 +223,22 @@ class PythonBackend(Backend):
         self.priority.answered()
         return [self._outputs(process, reply) for reply in replies]
 
-    def open_stream(self, request: InferRequest, deliver, executed) -> _Stream:
-        """A decoupled request, sent to the model process (started first if it must be: call this on the
-        instance's thread). `deliver(outputs | FerryError | STREAM_END)` gets its responses, `executed()` is
-        called once its execute has returned (the instance may take its next request while responses
-        still come, as in Triton); both on the reader thread or the event loop. Cancel it with the handle."""
+    def open_streams(self, requests: list[InferRequest], delivers: list, executed) -> list[_Stream]:
+        """Decoupled requests, run by one execute in the model process (started first if it must be: call
+        this on the instance's thread). `deliver(outputs | FerryError | STREAM_END)` gets its request's
+        responses; `executed()` is called for each request once the execute has returned (the instance
+        may take its next batch while responses still come, as in Triton); both on the reader thread or
+        the event loop. Cancel each with its handle."""
         process = self._alive()
-        stream = _Stream(self, process, request, deliver, executed)
-        self._in_flight += 1
+        streams = [_Stream(self, process, r, deliver, executed) for r, deliver in zip(requests, delivers)]
+        self._in_flight += len(streams)
         try:
-            process.open_stream(self._request(process, request, request.inputs), stream, request.trace)
+            process.open_streams([self._request(process, r, r.inputs) for r in requests], streams,
+                                 [r.trace for r in requests])
         except ProcessDied as exc:
-            self._in_flight -= 1
+            self._in_flight -= len(streams)
             raise ModelUnavailableError(str(exc)) from exc
-        return stream
+        return streams
 
     def read_on_loop(self) -> None:
         """On the event loop: the process's answers are read by the loop from now on, so a stream's

@@ -205,35 +205,40 @@ class Host:
         self._cancelled.discard(call)
         self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
 
-    def _stream(self, call: int, request: p.Request, freed: list[int]) -> None:
+    def _stream(self, calls: list[int], requests: list[p.Request], freed: list[int]) -> None:
+        """Decoupled requests, one execute (a batch of them where the model batches; one request when it
+        may reschedule, which is decided per execute)."""
         self._free_ours(freed)
-        self._streaming.add(call)
-        self._current = call
-        built = self._request(request, call)
+        self._streaming.update(calls)
+        self._current = calls[0]  # what its BLS calls inherit
+        built = [self._request(r, call) for call, r in zip(calls, requests)]
         try:
-            # An async execute awaits on the instance's own loop, so the next request starts meanwhile (as in
+            # An async execute awaits on the instance's own loop, so the next batch starts meanwhile (as in
             # Triton); not where requests may be rescheduled: that is decided when execute returns.
-            running = self.face.run_decoupled([built], [pb.InferenceResponseSender(self, call)],
+            running = self.face.run_decoupled(built, [pb.InferenceResponseSender(self, call) for call in calls],
                                               concurrent=not self._iterative)
         except BaseException as exc:  # noqa: BLE001
             running = None
-            self._failed(call, exc)
+            for call in calls:
+                self._failed(call, exc)
         if running is not None:
-            running.add_done_callback(functools.partial(self._async_done, call))
-        if running is not None or call not in self._streaming or not built._rescheduled():
+            running.add_done_callback(functools.partial(self._async_done, calls))
+        for call, request in zip(calls, built):
+            released = None
+            if running is None and call in self._streaming and request._rescheduled():
+                released = self._released(request)  # rescheduled, with no final response yet
+            if released == p.RESCHEDULE:  # it runs again
+                self.link.send((p.RESPONSE, call, p.RESCHEDULE, False))
+                continue
+            if released is not None:
+                self.respond(call, self._response(released), True)  # refused: the model may not reschedule
             self.link.send((p.RESPONSE, call, p.EXECUTED, False))  # the instance is free; senders may go on
-            return
-        released = self._released(built)  # rescheduled, with no final response yet
-        if released == p.RESCHEDULE:  # it runs again
-            self.link.send((p.RESPONSE, call, p.RESCHEDULE, False))
-            return
-        self.respond(call, self._response(released), True)  # refused: the model may not reschedule
-        self.link.send((p.RESPONSE, call, p.EXECUTED, False))
 
-    def _async_done(self, call: int, done: Future) -> None:
+    def _async_done(self, calls: list[int], done: Future) -> None:
         """On the instance's async loop: a decoupled async execute is over."""
         if not done.cancelled() and done.exception() is not None:
-            self._failed(call, done.exception())
+            for call in calls:
+                self._failed(call, done.exception())
 
     def _failed(self, call: int, exc: BaseException) -> None:
         """A decoupled execute raised: its request ends with the message, unless its final response is out."""

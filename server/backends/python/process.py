@@ -189,23 +189,33 @@ class ModelProcess:
             return
         self._send((frame_kind, call, body, self._take_freed()))
 
-    def open_stream(self, request: p.Request, sink, trace=None) -> int:
-        """A decoupled request: `sink.put((Reply | marker | None, final))` for each answer, or
-        `sink.put(ProcessDied)`, on the reader thread or the event loop, until `close(call)`; `sink.call`
-        is set to the call before anything is sent (its answers may come before this returns). `trace`:
-        the request's, when it is traced (its BLS calls' traces are its children)."""
-        call = sink.call = next(self._ids)
-        self._wait_on(call, sink)
-        self._made[call] = _Made(1)
-        if trace is not None:
-            self._traces[call] = [trace]
-        self._send((p.STREAM, call, request, self._take_freed()))
-        return call
+    def open_streams(self, requests: list[p.Request], sinks: list, traces: list) -> None:
+        """Decoupled requests run by one execute: `sink.put((Reply | marker | None, final))` for each of a
+        request's answers, or `sink.put(ProcessDied)`, on the reader thread or the event loop, until
+        `close(sink.call)`; each `sink.call` is set before anything is sent (answers may come before this
+        returns). `traces`: each request's, or None where it is not traced (its BLS calls' traces are its
+        children). The BLS calls the execute makes are cancelled once every one of its callers has left."""
+        if self.death is not None:
+            raise ProcessDied(self.death)
+        calls = []
+        made = _Made(len(requests))
+        for sink, trace in zip(sinks, traces):
+            call = sink.call = next(self._ids)
+            self._waiting[call] = sink
+            self._made[call] = made
+            if trace is not None:
+                self._traces[call] = [trace]
+            calls.append(call)
+        if self.death is not None:  # it died meanwhile: the reader may have passed these entries
+            for sink in sinks:
+                sink.put(ProcessDied(self.death))
+            return
+        self._send((p.STREAM, calls, requests, self._take_freed()))
 
     def restream(self, call: int, request: p.Request) -> None:
         """Run a decoupled request again under its call (the model rescheduled it): its answers keep
         coming to the same stream. A process that died meanwhile has answered the stream already."""
-        self._send((p.STREAM, call, request, self._take_freed()))
+        self._send((p.STREAM, [call], [request], self._take_freed()))
 
     def close(self, call: int) -> None:
         """A stream is over (its final response came or its caller left, and its execute returned)."""
@@ -226,10 +236,16 @@ class ModelProcess:
             self._checks.pop(ref, None)
 
     def cancel(self, call: int) -> None:
-        """On the event loop: the stream's caller went away: tell the model (is_cancelled()) and cancel the
-        BLS calls it made."""
-        if call in self._waiting:
-            self._cancel_made(call)
+        """On the event loop: a stream's caller went away: tell the model (its request's is_cancelled());
+        once every request of its execute has been left, the BLS calls that execute made are cancelled."""
+        if call not in self._waiting:
+            return
+        self._send((p.CANCEL, call))
+        made = self._made.get(call)
+        if made is not None:
+            made.callers -= 1
+            if made.callers == 0:
+                self._cancel_calls(made)
 
     def follow(self, call: int, callers: list) -> None:
         """Give each of an EXEC's requests a `caller_left` function (its runner calls it when the caller
@@ -266,12 +282,16 @@ class ModelProcess:
         return next((t for t in self._traces.get(call, ()) if t is not None), None)
 
     def _cancel_made(self, call: int) -> None:
-        """On the event loop: the call's callers are all gone."""
+        """On the event loop: the EXEC call's callers are all gone."""
         made = self._made.get(call)
         if made is None or made.cancelled:
             return
-        made.cancelled = True
         self._send((p.CANCEL, call))
+        self._cancel_calls(made)
+
+    @staticmethod
+    def _cancel_calls(made: _Made) -> None:
+        made.cancelled = True
         for future in list(made.calls):
             future.cancel()
 
@@ -286,11 +306,11 @@ class ModelProcess:
         made.calls.add(future)
         future.add_done_callback(made.calls.discard)
 
-    def _wait_on(self, call: int, answers=None):
-        """Where the call's answers go (a new queue unless given: anything with `put`)."""
+    def _wait_on(self, call: int) -> queue.Queue:
+        """Where the call's answers go."""
         if self.death is not None:
             raise ProcessDied(self.death)
-        answers = self._waiting[call] = answers if answers is not None else queue.Queue()
+        answers = self._waiting[call] = queue.Queue()
         if self.death is not None:  # it died between the check and the entry: the reader may have passed it
             answers.put(ProcessDied(self.death))
         return answers
@@ -448,7 +468,8 @@ class ModelProcess:
 
 
 class _Made:
-    """What an EXEC or STREAM call's callers leaving cancels: the BLS calls it made."""
+    """What an execute's callers leaving cancels: the BLS calls it made (shared by the STREAM calls of
+    one execute)."""
 
     __slots__ = ("callers", "calls", "cancelled")
 

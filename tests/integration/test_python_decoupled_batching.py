@@ -1,0 +1,117 @@
+"""A decoupled Triton-API Python model with dynamic batching gets the requests waiting for its instance
+in one execute, as Triton's dynamic batcher gives them: up to max_batch_size rows of requests that can
+be joined (the same shapes past dim 0), in arrival order, each answered through its own response sender
+to its own caller; a request that fails fails alone; one whose caller left while it waited never runs;
+max_queue_delay_microseconds holds a batch that is not full while the instance is free."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import pytest
+
+from protos import grpc_service_pb2 as pb
+from tests import kserve, python_decoupled_batching_models
+from tests.conftest import RunningServer, wait_for
+
+
+class Stream:
+    """One request on a ModelStreamInfer call of its own (kept open, as tritonclient keeps its stream),
+    its responses collected by a thread: outputs, ("error", message) or ("rpc", status)."""
+
+    def __init__(self, server: RunningServer, model: str, x: list[list[int]]):
+        self.items: list = []
+        self._close = threading.Event()
+        request = kserve.request(model, {"X": np.array(x, np.int32)})
+
+        def requests():
+            yield request
+            self._close.wait(300)
+
+        self.call = kserve.stub(server.channel).ModelStreamInfer(requests())
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for response in self.call:
+                self.items.append(("error", response.error_message) if response.error_message
+                                  else {k: v.tolist() for k, v in kserve.outputs(response.infer_response).items()})
+        except grpc.RpcError as exc:
+            self.items.append(("rpc", exc.code()))
+
+    def first(self):
+        wait_for(lambda: self.items, 120, "the stream's first response")
+        return self.items[0]
+
+    def close(self) -> None:
+        self._close.set()
+
+
+def pending(server: RunningServer, model: str) -> float | None:
+    return server.metric("nv_inference_pending_request_count", model=model)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    gate, entered = repo.parent / "tbatched.gate", repo.parent / "tbatched.entered"
+    python_decoupled_batching_models.build(repo, gate, entered)
+    server = RunningServer(repo)
+    streams: list[Stream] = []
+    try:
+        yield server, gate, entered, streams
+    finally:
+        gate.touch()  # whatever failed, nothing stays held
+        for stream in streams:
+            stream.close()
+        server.stop()
+
+
+def test_waiting_requests_run_in_one_execute_each_answered_alone(served):
+    server, gate, entered, streams = served
+
+    def send(x: list[list[int]]) -> Stream:
+        before = pending(server, "tbatched") or 0
+        stream = Stream(server, "tbatched", x)
+        streams.append(stream)
+        wait_for(lambda: pending(server, "tbatched") == before + 1, 60, f"request {x} to be queued")
+        return stream
+
+    a = Stream(server, "tbatched", [[1]])  # waits out its 50 ms window (the instance is free), then runs alone
+    streams.append(a)
+    wait_for(entered.exists, 60, "tbatched to be running A")
+    b, c, h = send([[2]]), send([[3]]), send([[99]])
+    h.call.cancel()  # its caller leaves while it waits: it never runs, and the batch takes the next one instead
+    wait_for(lambda: pending(server, "tbatched") == 2, 60, "the cancelled request to leave the queue")
+    d, e, f, g = send([[-4]]), send([[5, 5]]), send([[6]]), send([[7]])
+    gate.touch()
+
+    assert a.first() == {"Y": [[10]], "BATCH": [[1]]}
+    # B, C, D and F can be joined (shape [1, 1]) and fill max_batch_size 4; E ([1, 2]) cannot, and runs
+    # next, alone; G after it. D's error response fails D alone.
+    assert [s.first() for s in (b, c, f)] == [{"Y": [[20]], "BATCH": [[4]]}, {"Y": [[30]], "BATCH": [[4]]},
+                                              {"Y": [[60]], "BATCH": [[4]]}]
+    assert d.first() == ("error", "X must not be negative")
+    assert e.first() == {"Y": [[50, 50]], "BATCH": [[1]]}
+    assert g.first() == {"Y": [[70]], "BATCH": [[1]]}
+    assert h.first() == ("rpc", grpc.StatusCode.CANCELLED)
+    seen = Stream(server, "tbatched", [[0]])
+    streams.append(seen)
+    assert seen.first()["Y"] == [[1, 2, 3, -4, 6, 5, 5, 7]]  # in the order the executes got them; 99 never ran
+    assert all(len(s.items) == 1 for s in (a, b, c, d, e, f, g))  # one response each, to its own caller
+
+    stats = kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name="tbatched")).model_stats[0]
+    assert (stats.execution_count, stats.inference_count) == (5, 8)  # A, BCDF, E, G, the SEEN request
+    assert {b.batch_size: b.compute_infer.count for b in stats.batch_stats} == {1: 4, 4: 1}
+
+
+def test_a_batch_that_is_not_full_waits_its_queue_delay_while_the_instance_is_free(served):
+    server, _, _, streams = served
+    first = Stream(server, "tpair", [[1]])
+    streams.append(first)
+    wait_for(lambda: pending(server, "tpair") == 1, 60, "the first request to wait for its batch")
+    second = Stream(server, "tpair", [[2]])
+    streams.append(second)
+    assert [first.first(), second.first()] == [{"Y": [[10]], "BATCH": [[2]]}, {"Y": [[20]], "BATCH": [[2]]}]

@@ -1,0 +1,71 @@
+"""A decoupled Triton-API Python model that batches, written for Ferry's tests (Triton's dynamic batcher
+hands a decoupled model's execute every request waiting, each with its own response sender).
+
+- tbatched: decoupled, max_batch_size 4, dynamic_batching with a 50 ms max_queue_delay, one instance; X
+  is INT32 [-1]. Every
+  execute marks the `entered` file, then waits until the `gate` file exists (the test opens it). Each
+  request gets one response, Y = X * 10 and BATCH = how many requests its execute got, then its
+  final flag alone; a request whose X is negative gets an error response instead (it fails alone).
+  A request with X = [0] answers Y = every X value the model has been given, in the order it saw them.
+- tpair: the same model with max_batch_size 2 and a 600 s max_queue_delay (its gate always open): a
+  request waits, with the instance free, until a second one fills its batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BATCHED = '''
+import json, os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = json.loads(args["model_config"])["parameters"]
+        self.gate, self.entered = params["gate"]["string_value"], params["entered"]["string_value"]
+        self.seen = []
+
+    def execute(self, requests):
+        open(self.entered, "a").close()
+        end = time.monotonic() + 600  # the test opens the gate; this only bounds a test that failed
+        while not os.path.exists(self.gate) and time.monotonic() < end:
+            time.sleep(0.005)
+        for request in requests:
+            x = pb_utils.get_input_tensor_by_name(request, "X").as_numpy()
+            sender = request.get_response_sender()
+            if x.shape == (1, 1) and x[0, 0] == 0:
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", np.array([self.seen], np.int32)),
+                                                        pb_utils.Tensor("BATCH", np.array([[len(requests)]], np.int32))]),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            self.seen.extend(int(v) for v in x.flat)
+            if (x < 0).any():
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("X must not be negative")),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x * 10),
+                                                    pb_utils.Tensor("BATCH", np.array([[len(requests)]], np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+BATCHED_CONFIG = """name: "%s"
+backend: "python"
+max_batch_size: %d
+input [{ name: "X", data_type: TYPE_INT32, dims: [ -1 ] }]
+output [{ name: "Y", data_type: TYPE_INT32, dims: [ -1 ] }, { name: "BATCH", data_type: TYPE_INT32, dims: [ 1 ] }]
+model_transaction_policy { decoupled: true }
+dynamic_batching { max_queue_delay_microseconds: %d }
+instance_group [{ count: 1, kind: KIND_CPU }]
+parameters [{ key: "gate", value: { string_value: "%s" } }, { key: "entered", value: { string_value: "%s" } }]
+"""
+
+
+def build(repo: Path, gate: Path, entered: Path) -> None:
+    """`gate` and `entered`: tbatched's files (tpair's gate is open from the start)."""
+    for name, rows, delay_us, gate_file, entered_file in (
+            ("tbatched", 4, 50_000, gate, entered), ("tpair", 2, 600_000_000, repo.parent, repo.parent / "tpair.entered")):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(BATCHED)
+        (repo / name / "config.pbtxt").write_text(BATCHED_CONFIG % (name, rows, delay_us, gate_file, entered_file))
