@@ -150,9 +150,7 @@ class DecoupledRunner(RunnerBase):
             batch = self._next_batch()
             if batch is None:
                 break  # a batch waits for more rows: the timer is set
-            task = asyncio.ensure_future(self._start(self._free.popleft(), batch))
-            self._opening.add(task)
-            task.add_done_callback(self._opening.discard)
+            self._start(self._free.popleft(), batch)
         self.stats.set_pending(len(self._waiting))
 
     def _next_batch(self) -> list[_Waiting] | None:
@@ -188,9 +186,10 @@ class DecoupledRunner(RunnerBase):
         self._timer = None
         self._dispatch()
 
-    async def _start(self, instance: int, batch: list[_Waiting]) -> None:
-        """Open the batch's streams on the instance (its thread: the model's process may have to start);
-        the instance is free again once the execute has returned for every request."""
+    def _start(self, instance: int, batch: list[_Waiting]) -> None:
+        """Open the batch's streams on the instance: here, when its model process is up and read by the
+        loop; else on the instance's thread (the process may have to start first). The instance is free
+        again once the execute has returned for every request."""
         loop = asyncio.get_running_loop()
         backend, now = self.backends[instance], time.monotonic_ns()
         for entry in batch:
@@ -203,29 +202,38 @@ class DecoupledRunner(RunnerBase):
             nonlocal remaining
             remaining -= 1
             if remaining == 0:
-                rows = sum(e.request.batch_size for e in batch)
-                self.stats.record_batch(rows, len(batch), 0, time.monotonic_ns() - now, 0)
+                self.stats.record_batch(sum(e.request.batch_size for e in batch), len(batch), 0,
+                                        time.monotonic_ns() - now, 0)
                 self._free.append(instance)
                 self._dispatch()
 
-        try:
-            streams = await loop.run_in_executor(
-                self._threads[instance], backend.open_streams, [e.request for e in batch],
-                [functools.partial(_on_loop, loop, e.answers.put_nowait) for e in batch],
+        args = ([e.request for e in batch], [functools.partial(_on_loop, loop, e.answers.put_nowait) for e in batch],
                 functools.partial(_on_loop, loop, executed))
-        except BaseException as exc:  # nothing was sent: no execute will return
-            self._free.append(instance)
-            self._dispatch()
-            for entry in batch:
-                if entry.opened.done():
-                    continue
-                if isinstance(exc, asyncio.CancelledError):  # the server is stopping
-                    entry.opened.cancel()
-                else:
-                    entry.opened.set_exception(exc)
+        if not backend.opens_on_loop():
+            task = asyncio.ensure_future(self._open_on_thread(instance, batch, args))
+            self._opening.add(task)
+            task.add_done_callback(self._opening.discard)
+            return
+        try:
+            streams = backend.open_streams(*args)
+        except Exception as exc:  # noqa: BLE001 - nothing was sent: no execute will return
+            self._not_opened(instance, batch, exc)
+            return
+        self._opened(backend, batch, streams)
+
+    async def _open_on_thread(self, instance: int, batch: list[_Waiting], args: tuple) -> None:
+        backend = self.backends[instance]
+        try:
+            streams = await asyncio.get_running_loop().run_in_executor(self._threads[instance], backend.open_streams,
+                                                                       *args)
+        except BaseException as exc:
+            self._not_opened(instance, batch, exc)
             if not isinstance(exc, Exception):
                 raise
             return
+        self._opened(backend, batch, streams)
+
+    def _opened(self, backend: Backend, batch: list[_Waiting], streams: list) -> None:
         for entry, stream in zip(batch, streams):
             if entry.opened.done():  # its caller left while the batch opened: what it sends is dropped
                 stream.cancel()
@@ -233,6 +241,18 @@ class DecoupledRunner(RunnerBase):
                 self._open.add(stream)
                 entry.opened.set_result(stream)
         backend.read_on_loop()
+
+    def _not_opened(self, instance: int, batch: list[_Waiting], exc: BaseException) -> None:
+        """Nothing was sent: the batch's callers get the error (the model's process could not start)."""
+        for entry in batch:
+            if entry.opened.done():
+                continue
+            if isinstance(exc, asyncio.CancelledError):  # the server is stopping
+                entry.opened.cancel()
+            else:
+                entry.opened.set_exception(exc)
+        self._free.append(instance)
+        self._dispatch()
 
     def _checked(self, outputs: dict, strict_types: bool = True) -> dict[str, np.ndarray]:
         """Declared outputs only; with `strict_types` in their declared datatype (Triton's Python models

@@ -223,6 +223,12 @@ class PythonBackend(Backend):
         self.priority.answered()
         return [self._outputs(process, reply) for reply in replies]
 
+    def opens_on_loop(self) -> bool:
+        """Whether `open_streams` may be called on the event loop now: the process is up and read by the
+        loop (else the instance's thread opens, starting a new process first if it must)."""
+        process = self.process
+        return process is not None and process.death is None and process.on_loop
+
     def open_streams(self, requests: list[InferRequest], delivers: list, executed) -> list[_Stream]:
         """Decoupled requests, run by one execute in the model process (started first if it must be: call
         this on the instance's thread). `deliver(outputs | FerryError | STREAM_END)` gets its request's
