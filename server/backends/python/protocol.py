@@ -12,8 +12,9 @@ Server -> model process:
   CHECK(ref)                             the model's is_ready(); answered CHECKED(ref, bool)
   AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
   EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply | RESCHEDULE], freed)
-  STREAM(call, Request, freed)           a decoupled request; answered RESPONSE(call, Reply | None, final) 0..N
-                                         times (None: the final flag alone) and, once execute returns,
+  STREAM([call], [Request], freed)       decoupled requests run by one execute, a call each; each answered
+                                         RESPONSE(call, Reply | None, final) 0..N times (None: the final
+                                         flag alone) and, once execute returns,
                                          RESPONSE(call, EXECUTED, False) (its responses may still come after:
                                          the instance takes its next request) or RESPONSE(call, RESCHEDULE,
                                          False): the request was rescheduled; the server sends STREAM again
