@@ -124,8 +124,9 @@ class TritonPythonModel:
 WAIT_CONFIG = REPEAT_CONFIG.replace('"trepeat"', '"twait"').replace(
     ', { name: "IDX", data_type: TYPE_INT32, dims: [ 1 ] }', "")
 
-# BLS: exec to tadd (its SUM only), async_exec to tadd twice at once, exec(decoupled=True) to trepeat,
-# a call to a model that does not exist (its error message), is_model_ready.
+# BLS: exec to tadd (its SUM only, preferred_memory on the CPU), async_exec to tadd twice at once,
+# exec(decoupled=True) to trepeat, a call to a model that does not exist (its error message),
+# is_model_ready, and a call that prefers GPU memory (GPU: what refused it, "" where it ran on host tensors).
 BLS = '''
 import asyncio
 import numpy as np
@@ -138,7 +139,14 @@ class TritonPythonModel:
         for request in requests:
             a = pb_utils.get_input_tensor_by_name(request, "INPUT0")
             b = pb_utils.get_input_tensor_by_name(request, "INPUT1")
-            one = pb_utils.InferenceRequest(model_name="tadd", inputs=[a, b], requested_output_names=["SUM"]).exec()
+            one = pb_utils.InferenceRequest(model_name="tadd", inputs=[a, b], requested_output_names=["SUM"],
+                                            preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_CPU, 0)).exec()
+            try:  # refused where there is no GPU, before anything is sent
+                gpu = pb_utils.InferenceRequest(model_name="tadd", inputs=[a, b], requested_output_names=["SUM"],
+                                                preferred_memory=pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, 0))
+                gpu = "" if gpu.exec().output_tensors()[0].is_cpu() else "not on the host"
+            except pb_utils.TritonModelException as exc:
+                gpu = exc.message()
             if one.has_error():
                 raise pb_utils.TritonModelException(one.error().message())
             pair = await asyncio.gather(*[pb_utils.InferenceRequest(
@@ -156,7 +164,8 @@ class TritonPythonModel:
                 pb_utils.Tensor("STREAM", np.array(outs, np.int32)),
                 pb_utils.Tensor("MISSING", np.array([missing.error().message().encode()], np.object_)),
                 pb_utils.Tensor("MISSING_CODE", np.array([missing.error().code()], np.int32)),
-                pb_utils.Tensor("READY", np.array(ready, np.bool_))]))
+                pb_utils.Tensor("READY", np.array(ready, np.bool_)),
+                pb_utils.Tensor("GPU", np.array([gpu.encode()], np.object_))]))
         return responses
 '''
 BLS_CONFIG = """
@@ -166,7 +175,8 @@ max_batch_size: 0
 input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [ 1, 4 ] }, { name: "INPUT1", data_type: TYPE_FP32, dims: [ 1, 4 ] }]
 output [{ name: "SUM", data_type: TYPE_FP32, dims: [ 1, 4 ] }, { name: "TWICE", data_type: TYPE_FP32, dims: [ 1, 4 ] },
         { name: "STREAM", data_type: TYPE_INT32, dims: [ -1 ] }, { name: "MISSING", data_type: TYPE_STRING, dims: [ 1 ] },
-        { name: "MISSING_CODE", data_type: TYPE_INT32, dims: [ 1 ] }, { name: "READY", data_type: TYPE_BOOL, dims: [ 2 ] }]
+        { name: "MISSING_CODE", data_type: TYPE_INT32, dims: [ 1 ] }, { name: "READY", data_type: TYPE_BOOL, dims: [ 2 ] },
+        { name: "GPU", data_type: TYPE_STRING, dims: [ 1 ] }]
 """
 
 # No config file: auto_complete_config declares everything (and batching).

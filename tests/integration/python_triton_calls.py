@@ -81,6 +81,7 @@ def main(url: str) -> None:
     bls = client.infer("tbls", [tensor("INPUT0", a, "FP32"), tensor("INPUT1", b, "FP32")])
     out["bls"] = {name: bls.as_numpy(name).tolist() for name in ("SUM", "TWICE", "STREAM", "MISSING_CODE", "READY")}
     out["bls"]["MISSING"] = bls.as_numpy("MISSING")[0].decode()
+    out["bls"]["GPU"] = [bls.as_numpy("GPU")[0].decode()]
     out["auto_config"] = client.get_model_config("tauto", as_json=True)["config"]
     out["auto"] = client.infer("tauto", [tensor("X", np.array([[1, 2]], np.float32), "FP32")]).as_numpy("Y").tolist()
     out["metrics"] = [client.infer("tmetrics", [tensor("X", np.array([x], np.float32), "FP32")]).as_numpy("Y").tolist()

@@ -88,6 +88,10 @@ def test_bls_sync_async_decoupled_and_errors_go_through_the_called_models(served
     assert bls["STREAM"] == [0, 1, 2, 3, 4]
     assert bls["MISSING_CODE"] == [2] and "nope" in bls["MISSING"]  # TritonError.NOT_FOUND, naming the model
     assert bls["READY"] == [True, False]
+    if not Path("/proc/driver/nvidia/gpus").is_dir():  # without a GPU, a call preferring GPU memory is refused
+        assert "preferred_memory asks TRITONSERVER_MEMORY_GPU but this machine has no GPU" in bls["GPU"][0]
+    else:  # with one, it runs and its outputs are host tensors (the log says so)
+        assert bls["GPU"] == [""]
     # The BLS calls were tadd's own requests: counted in its statistics with everyone else's.
     stats = kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name="tadd"), timeout=30)
     assert stats.model_stats[0].inference_stats.success.count == 1 + 3  # after_raise, and the 3 BLS calls

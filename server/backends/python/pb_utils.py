@@ -10,8 +10,10 @@ model.py: one per process, as the module itself is, since Triton's API is module
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import struct
+from pathlib import Path
 
 import numpy as np
 
@@ -36,6 +38,48 @@ TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
 TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
 TRITONSERVER_REQUEST_RELEASE_ALL = 1
 TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+
+
+class MemoryType(enum.IntEnum):
+    """Where a BLS call's outputs are wanted (Triton's `pb_utils.MemoryType`)."""
+
+    TRITONSERVER_MEMORY_GPU = 0
+    TRITONSERVER_MEMORY_CPU = 1
+
+
+TRITONSERVER_MEMORY_GPU = MemoryType.TRITONSERVER_MEMORY_GPU
+TRITONSERVER_MEMORY_CPU = MemoryType.TRITONSERVER_MEMORY_CPU
+
+
+class PreferredMemory:
+    """`InferenceRequest(..., preferred_memory=PreferredMemory(TRITONSERVER_MEMORY_CPU, 0))`: the memory a
+    BLS call's output tensors should be in. Ferry's are always host arrays: the CPU is honoured; the GPU
+    is refused on a machine without one, and elsewhere answered with host tensors (is_cpu() true), said
+    once in the server's log."""
+
+    def __init__(self, preferred_memory_type: MemoryType, preferred_device_id: int = 0):
+        if preferred_memory_type not in (TRITONSERVER_MEMORY_GPU, TRITONSERVER_MEMORY_CPU):
+            raise TypeError(f"PreferredMemory: preferred_memory_type must be pb_utils.TRITONSERVER_MEMORY_GPU or "
+                            f"TRITONSERVER_MEMORY_CPU, got {preferred_memory_type!r}")
+        self.preferred_memory_type = MemoryType(preferred_memory_type)
+        self.preferred_device_id = int(preferred_device_id)
+
+    def _checked(self) -> None:
+        """Before the call is sent."""
+        global _gpu_said
+        if self.preferred_memory_type != TRITONSERVER_MEMORY_GPU:
+            return
+        if not Path("/proc/driver/nvidia/gpus").is_dir():
+            raise TritonModelException("InferenceRequest: preferred_memory asks TRITONSERVER_MEMORY_GPU but this "
+                                       "machine has no GPU; leave preferred_memory out (or ask "
+                                       "TRITONSERVER_MEMORY_CPU) to get the outputs as host tensors")
+        if not _gpu_said:
+            _gpu_said = True
+            Logger.log_warn("BLS outputs are host tensors (is_cpu() is true): preferred_memory "
+                            "TRITONSERVER_MEMORY_GPU is not honoured by Ferry's Python backend")
+
+
+_gpu_said = False
 
 TRITON_STRING_TO_NUMPY = {
     "TYPE_BOOL": bool, "TYPE_UINT8": np.uint8, "TYPE_UINT16": np.uint16, "TYPE_UINT32": np.uint32,
@@ -248,6 +292,10 @@ class InferenceRequest:
         self._call = _call  # set on requests handed to execute: which call of the server they belong to
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._trace = InferenceTrace(_call, _index) if _call is not None else trace
+        if preferred_memory is not None and not isinstance(preferred_memory, PreferredMemory):
+            raise TypeError(f"InferenceRequest: preferred_memory must be a pb_utils.PreferredMemory, "
+                            f"got {type(preferred_memory).__name__}")
+        self._preferred_memory = preferred_memory
 
     def inputs(self) -> list[Tensor]:
         return self._inputs
@@ -294,9 +342,13 @@ class InferenceRequest:
 
     def exec(self, decoupled: bool = False):
         """Run this request on `model_name` and wait: one InferenceResponse, or (decoupled) an iterator of them."""
+        if self._preferred_memory is not None:
+            self._preferred_memory._checked()
         return _the_host().call(self, decoupled).result()
 
     async def async_exec(self, decoupled: bool = False):
+        if self._preferred_memory is not None:
+            self._preferred_memory._checked()
         return await asyncio.wrap_future(_the_host().call(self, decoupled))
 
 
