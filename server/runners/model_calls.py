@@ -32,6 +32,7 @@ from server.observability.metrics import ModelProcessRestarts
 from server.observability.tracing.doors import GenerationTrace
 from server.observability.tracing.record import call_trace, ended
 from server.request import InferRequest, parameters_of
+from server.runners.sequence_inputs import FLAG_END, FLAG_START
 from server.runners import generation_tensors
 from server.runners.base import DECOUPLED, GENERATE
 from server.runners.ensemble import LateLookup
@@ -190,6 +191,10 @@ def _request(model, call: p.Call, inputs: dict[str, np.ndarray], inherited_ns: i
         model.signature.check_outputs(call.requested)
     now = time.monotonic_ns()
     params = dict(call.parameters)
+    if call.correlation_id:  # a stateful model's sequence, as a client's sequence parameters give it
+        params.setdefault("sequence_id", call.correlation_id)
+        params.setdefault("sequence_start", bool(call.flags & FLAG_START))
+        params.setdefault("sequence_end", bool(call.flags & FLAG_END))
     priority = params.pop("priority", 0) if isinstance(params.get("priority", 0), int) else 0
     deadlines = [d for d in (now + call.timeout_us * 1000 if call.timeout_us else None, inherited_ns) if d is not None]
     return InferRequest(

@@ -286,11 +286,12 @@ class Host:
         version = "" if request.model_version in (-1, "", None) else str(request.model_version)
         sent = p.Call(request.model_name, version, [self._put(t.name(), t.as_numpy()) for t in request.inputs()],
                       tuple(request.requested_output_names()), json.loads(request.parameters()), request.request_id(),
-                      int(request.timeout()), decoupled, _trace_ref(request.trace()))
+                      int(request.timeout()), decoupled, _trace_ref(request.trace()), request.correlation_id(),
+                      request.flags())
         self._wanted.set()
         self.link.send((p.CALL, ref, sent, self._current))  # the execute it is made for: its deadline
         if decoupled:
-            future.set_result(_Responses(items))
+            future.set_result(_Responses(items, functools.partial(self.link.send, (p.UNCALL, ref))))
         return future
 
     def control(self, op: str, name: str, version: str, config: str, files: dict):
@@ -362,10 +363,17 @@ class Host:
 
 
 class _Responses:
-    """The responses of a decoupled BLS call, as they come."""
+    """The responses of a decoupled BLS call, as they come. `cancel()` (Triton's response iterator's)
+    cancels the call where it runs: the called model's is_cancelled() turns true, or a queued request
+    never runs; the iterator then ends with a CANCELLED error response."""
 
-    def __init__(self, items: queue.Queue):
-        self._items = items
+    def __init__(self, items: queue.Queue, uncall):
+        self._items, self._uncall, self._cancelled = items, uncall, False
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            self._uncall()
 
     def __iter__(self):
         return self

@@ -65,6 +65,7 @@ class ModelProcess:
         self._checks: dict[int, queue.Queue] = {}  # is_ready() calls waiting for their answer
         self._deadlines: dict[int, int] = {}  # EXEC call -> its requests' deadline, which its BLS calls inherit
         self._made: dict[int, _Made] = {}  # EXEC or STREAM call -> its callers and the BLS calls it made
+        self._bls: dict[int, Future] = {}  # decoupled BLS calls running, by the model's ref (UNCALL cancels one)
         self._traces: dict[int, list] = {}  # EXEC or STREAM call with a traced request -> its requests' traces
         self.proc: subprocess.Popen | None = None
         self.link: FrameSocket | None = None
@@ -397,6 +398,8 @@ class ModelProcess:
                 target.put(frame)
         elif kind == p.FREE:
             self._free_ours(frame[1])
+        elif kind == p.UNCALL:
+            self._uncall(frame[1])
         elif kind == p.LOG:
             log.log(_LOG_LEVELS.get(frame[1], logging.INFO), "model '%s': %s", self.model, frame[2])
         else:
@@ -426,8 +429,21 @@ class ModelProcess:
             made = calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]),
                               self._parent(frame[3], call.trace))
             self._made_by(frame[3], made)
+            if call.decoupled:  # model code may cancel it (UNCALL)
+                self._bls[ref] = made
+                made.add_done_callback(lambda _: self._bls.pop(ref, None))
         elif kind == p.CONTROL:
             calls.control(*frame[2:], answer)
+
+    def _uncall(self, ref: int) -> None:
+        """Model code cancelled a decoupled BLS call: it hears so at once, and the call is cancelled where
+        it runs (whatever it still answers is dropped by the model process)."""
+        future = self._bls.pop(ref, None)
+        if future is None:
+            return  # over already
+        self._send((p.CALLED, ref, p.Reply([], (p.CANCELLED, "the BLS call was cancelled by the model "
+                                                              "(its response iterator's cancel())")), True))
+        future.cancel()
 
     def _died(self) -> None:
         code = self.proc.wait()

@@ -27,6 +27,8 @@ Server -> model process:
   HANDOVER()                             echoed at once: the server's event loop reads the link after it
 Model process -> server:
   CALL(ref, Call, call)                  BLS: run a request on another model's runner (for EXEC or STREAM `call`)
+  UNCALL(ref)                            model code cancelled its decoupled BLS call (the response iterator's
+                                         cancel()): answered CALLED(ref, CANCELLED error, True)
   CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
   METRIC(op, family, labels, value)      custom metrics: the server owns the Prometheus families
   LOG(level, message)                    pb_utils.Logger
@@ -44,7 +46,7 @@ INIT, AUTO, EXEC, STREAM, CANCEL, CALLED, FREE, FINALIZE = (
     "init", "auto", "exec", "stream", "cancel", "called", "free", "finalize")
 READY, FAILED, DONE, RESPONSE, CALL, CONTROL, METRIC, LOG = (
     "ready", "failed", "done", "response", "call", "control", "metric", "log")
-CHECK, CHECKED, HANDOVER = "check", "checked", "handover"
+CHECK, CHECKED, HANDOVER, UNCALL = "check", "checked", "handover", "uncall"
 RESCHEDULE = "reschedule"  # in place of a Reply: the model released the request to run it again later
 EXECUTED = "executed"  # in place of a Reply: a decoupled request's execute returned
 
@@ -85,3 +87,5 @@ class Call(NamedTuple):
     timeout_us: int
     decoupled: bool
     trace: tuple[int, int] | None = None  # `trace=request.trace()`: (its EXEC or STREAM call, the request's index)
+    correlation_id: int | str = 0  # a stateful model's sequence (Triton's BLS with stateful models)
+    flags: int = 0  # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END
