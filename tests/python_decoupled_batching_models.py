@@ -9,6 +9,8 @@ hands a decoupled model's execute every request waiting, each with its own respo
   A request with X = [0] answers Y = every X value the model has been given, in the order it saw them.
 - tpair: the same model with max_batch_size 2 and a 600 s max_queue_delay (its gate always open): a
   request waits, with the instance free, until a second one fills its batch.
+- tqueue: the same model with default_queue_policy { max_queue_size: 1 } and a gate of its own
+  (`tqueue.gate` and `tqueue.entered` beside the repository).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ max_batch_size: %d
 input [{ name: "X", data_type: TYPE_INT32, dims: [ -1 ] }]
 output [{ name: "Y", data_type: TYPE_INT32, dims: [ -1 ] }, { name: "BATCH", data_type: TYPE_INT32, dims: [ 1 ] }]
 model_transaction_policy { decoupled: true }
-dynamic_batching { max_queue_delay_microseconds: %d }
+dynamic_batching { max_queue_delay_microseconds: %d%s }
 instance_group [{ count: 1, kind: KIND_CPU }]
 parameters [{ key: "gate", value: { string_value: "%s" } }, { key: "entered", value: { string_value: "%s" } }]
 """
@@ -64,8 +66,11 @@ parameters [{ key: "gate", value: { string_value: "%s" } }, { key: "entered", va
 
 def build(repo: Path, gate: Path, entered: Path) -> None:
     """`gate` and `entered`: tbatched's files (tpair's gate is open from the start)."""
-    for name, rows, delay_us, gate_file, entered_file in (
-            ("tbatched", 4, 50_000, gate, entered), ("tpair", 2, 600_000_000, repo.parent, repo.parent / "tpair.entered")):
+    bounded = " default_queue_policy { max_queue_size: 1 }"
+    for name, rows, delay_us, queue, gate_file, entered_file in (
+            ("tbatched", 4, 50_000, "", gate, entered),
+            ("tpair", 2, 600_000_000, "", repo.parent, repo.parent / "tpair.entered"),
+            ("tqueue", 4, 0, bounded, repo.parent / "tqueue.gate", repo.parent / "tqueue.entered")):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(BATCHED)
-        (repo / name / "config.pbtxt").write_text(BATCHED_CONFIG % (name, rows, delay_us, gate_file, entered_file))
+        (repo / name / "config.pbtxt").write_text(BATCHED_CONFIG % (name, rows, delay_us, queue, gate_file, entered_file))

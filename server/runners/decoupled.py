@@ -7,7 +7,8 @@ every dict it yields one response). Requests wait for a free instance in arrival
 `dynamic_batching` and a `max_batch_size` gets the requests waiting then (up to max_batch_size rows,
 those that can be joined with the oldest: the same shapes past dim 0) in one execute, as Triton's
 dynamic batcher gives them, each with its own response sender; `max_queue_delay_microseconds` lets a
-batch wait for more rows while an instance is free. Otherwise each request runs alone in its execute.
+batch wait for more rows while an instance is free, and `default_queue_policy.max_queue_size` bounds
+the requests waiting (more are refused UNAVAILABLE). Otherwise each request runs alone in its execute.
 As in Triton, the instance is free again once `execute` returns:
 responses a model sends afterwards (from a thread of its own) still reach their caller, while the
 instance runs the next request. A caller that goes away makes the model's `is_cancelled()` true and
@@ -34,7 +35,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from server.backends.base import STREAM_END, Backend
-from server.errors import BackendError, FerryError, ModelUnavailableError
+from server.errors import BackendError, FerryError, ModelUnavailableError, QueueFullError
 from server.observability.metrics import ModelStats, failure_reason
 from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
 from server.request import InferRequest, with_parameters_of
@@ -50,6 +51,7 @@ class StreamBatching:
 
     max_batch_size: int = 0  # rows per execute; 0: one request per execute
     max_queue_delay_ns: int = 0  # how long a batch that is not full may wait for more while an instance is free
+    max_queue_size: int = 0  # requests waiting for an instance, past which new ones are refused; 0: unbounded
 
 
 @dataclass(slots=True, eq=False)
@@ -100,7 +102,8 @@ class DecoupledRunner(RunnerBase):
             if trace is not None:
                 trace.mark(COMPUTE_END)
         except BaseException as exc:  # a caller that leaves closes the stream: GeneratorExit or CancelledError
-            failure = "BACKEND" if isinstance(exc, FerryError) else failure_reason(exc)  # the model's own errors
+            # the model's own errors are BACKEND; a full queue REJECTED
+            failure = "BACKEND" if isinstance(exc, FerryError) and not isinstance(exc, QueueFullError) else failure_reason(exc)
             raise
         finally:
             self._give_bytes(request.nbytes)
@@ -122,6 +125,10 @@ class DecoupledRunner(RunnerBase):
 
     async def _run(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The request's responses, once a free instance has taken it (in a batch where the model batches)."""
+        limit = self.batching.max_queue_size
+        if limit and len(self._waiting) >= limit:
+            raise QueueFullError(f"model '{self.name}': request queue is full (max_queue_size {limit}); retry later "
+                                 "or raise max_queue_size")
         waiting = _Waiting(request, asyncio.Queue(), asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         self._dispatch()

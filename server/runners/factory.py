@@ -162,11 +162,14 @@ def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget:
     batching = StreamBatching()
     if config.max_batch_size > 0 and config.HasField("dynamic_batching") and not iterative:
         db = config.dynamic_batching
-        batching = StreamBatching(config.max_batch_size, db.max_queue_delay_microseconds * 1000)
-        unused = [f.name for f, _ in db.ListFields() if f.name not in ("max_queue_delay_microseconds", "preserve_ordering")]
+        policy = db.default_queue_policy
+        batching = StreamBatching(config.max_batch_size, db.max_queue_delay_microseconds * 1000, policy.max_queue_size)
+        unused = [f.name for f, _ in db.ListFields() if f.name not in ("max_queue_delay_microseconds", "preserve_ordering",
+                                                                       "default_queue_policy")]
+        unused += [f"default_queue_policy.{f.name}" for f, _ in policy.ListFields() if f.name != "max_queue_size"]
         if unused:
-            log.warning("model '%s': a decoupled model's batches are cut by max_batch_size and "
-                        "max_queue_delay_microseconds alone; dynamic_batching %s does not apply to it",
+            log.warning("model '%s': a decoupled model's queue takes max_batch_size, max_queue_delay_microseconds and "
+                        "default_queue_policy.max_queue_size; dynamic_batching %s does not apply to it",
                         name, ", ".join(unused))
     return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget, iterative, batching)
 

@@ -2,7 +2,8 @@
 in one execute, as Triton's dynamic batcher gives them: up to max_batch_size rows of requests that can
 be joined (the same shapes past dim 0), in arrival order, each answered through its own response sender
 to its own caller; a request that fails fails alone; one whose caller left while it waited never runs;
-max_queue_delay_microseconds holds a batch that is not full while the instance is free."""
+max_queue_delay_microseconds holds a batch that is not full while the instance is free; a full queue
+(default_queue_policy.max_queue_size) refuses the next request UNAVAILABLE and serves the rest."""
 
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ def served(tmp_path_factory):
         yield server, gate, entered, streams
     finally:
         gate.touch()  # whatever failed, nothing stays held
+        (repo.parent / "tqueue.gate").touch()
         for stream in streams:
             stream.close()
         server.stop()
@@ -115,3 +117,22 @@ def test_a_batch_that_is_not_full_waits_its_queue_delay_while_the_instance_is_fr
     second = Stream(server, "tpair", [[2]])
     streams.append(second)
     assert [first.first(), second.first()] == [{"Y": [[10]], "BATCH": [[2]]}, {"Y": [[20]], "BATCH": [[2]]}]
+
+
+def test_a_full_queue_refuses_the_next_request_unavailable_and_serves_the_others(served):
+    server, gate, _, streams = served
+    tqueue_gate, tqueue_entered = gate.with_name("tqueue.gate"), gate.with_name("tqueue.entered")
+    running = Stream(server, "tqueue", [[1]])
+    streams.append(running)
+    wait_for(tqueue_entered.exists, 60, "tqueue to be running the first request")
+    queued = Stream(server, "tqueue", [[2]])
+    streams.append(queued)
+    wait_for(lambda: pending(server, "tqueue") == 1, 60, "the second request to be queued")
+    refused = Stream(server, "tqueue", [[3]])
+    streams.append(refused)
+    item = refused.first()
+    assert item[0] == "error" and "request queue is full (max_queue_size 1)" in item[1]
+    tqueue_gate.touch()
+    assert [running.first(), queued.first()] == [{"Y": [[10]], "BATCH": [[1]]}, {"Y": [[20]], "BATCH": [[1]]}]
+    stats = kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name="tqueue")).model_stats[0]
+    assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (2, 1)
