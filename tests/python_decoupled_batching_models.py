@@ -11,6 +11,10 @@ hands a decoupled model's execute every request waiting, each with its own respo
   request waits, with the instance free, until a second one fills its batch.
 - tqueue: the same model with default_queue_policy { max_queue_size: 1 } and a gate of its own
   (`tqueue.gate` and `tqueue.entered` beside the repository).
+- tseq_stream: a decoupled stateful model (sequence_batching with START, END, READY and CORRID control
+  inputs), two instances, max_batch_size 2. It counts each sequence's requests in its instance and
+  answers each request once: the control values it got, that count, its process id and how many
+  requests its execute got. An execute takes 20 ms, so a sequence's requests pile up behind each other.
 """
 
 from __future__ import annotations
@@ -64,6 +68,44 @@ parameters [{ key: "gate", value: { string_value: "%s" } }, { key: "entered", va
 """
 
 
+SEQUENCE = '''
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.counts = {}
+
+    def execute(self, requests):
+        time.sleep(0.02)
+        for request in requests:
+            def value(name):
+                return int(pb_utils.get_input_tensor_by_name(request, name).as_numpy().flat[0])
+            cid = value("CORRID")
+            self.counts[cid] = self.counts.get(cid, 0) + 1
+            out = [value(n) for n in ("START", "END", "READY")] + [cid, self.counts[cid], os.getpid(), len(requests)]
+            request.get_response_sender().send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([out], np.int64))]),
+                                               flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+SEQUENCE_CONFIG = """name: "tseq_stream"
+backend: "python"
+max_batch_size: 2
+input [{ name: "IN", data_type: TYPE_INT32, dims: [ 1 ] }]
+output [{ name: "OUT", data_type: TYPE_INT64, dims: [ 7 ] }]
+model_transaction_policy { decoupled: true }
+instance_group [{ count: 2, kind: KIND_CPU }]
+sequence_batching {
+  control_input [{ name: "START", control [{ kind: CONTROL_SEQUENCE_START, int32_false_true: [0, 1] }] },
+                 { name: "END", control [{ kind: CONTROL_SEQUENCE_END, int32_false_true: [0, 1] }] },
+                 { name: "READY", control [{ kind: CONTROL_SEQUENCE_READY, int32_false_true: [0, 1] }] },
+                 { name: "CORRID", control [{ kind: CONTROL_SEQUENCE_CORRID, data_type: TYPE_UINT64 }] }]
+}
+"""
+
+
 def build(repo: Path, gate: Path, entered: Path) -> None:
     """`gate` and `entered`: tbatched's files (tpair's gate is open from the start)."""
     bounded = " default_queue_policy { max_queue_size: 1 }"
@@ -74,3 +116,6 @@ def build(repo: Path, gate: Path, entered: Path) -> None:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(BATCHED)
         (repo / name / "config.pbtxt").write_text(BATCHED_CONFIG % (name, rows, delay_us, queue, gate_file, entered_file))
+    (repo / "tseq_stream" / "1").mkdir(parents=True)
+    (repo / "tseq_stream" / "1" / "model.py").write_text(SEQUENCE)
+    (repo / "tseq_stream" / "config.pbtxt").write_text(SEQUENCE_CONFIG)

@@ -15,7 +15,9 @@ instance runs the next request. A caller that goes away makes the model's `is_ca
 cancels the BLS calls its request made; what the model sends after that is dropped.
 
 A client's `sequence_id`, `sequence_start` and `sequence_end` become the request's correlation id and
-flags, as the model sees them (Triton's request.correlation_id() and flags()). With `sequence_batching
+flags, as the model sees them (Triton's request.correlation_id() and flags()). A stateful model
+(`sequence_batching`) requires them, gets the control inputs the config names, and runs each
+sequence's requests in order on one instance, one per execute, as Triton's sequence batcher does. With `sequence_batching
 { iterative_sequence: true }` each request is a sequence of its own, started with a correlation id
 of its own; a request the model reschedules runs again on its instance at once (its execute does not
 free the instance), so its stream goes on until the model sends its final response.
@@ -40,7 +42,7 @@ from server.observability.metrics import ModelStats, failure_reason
 from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
 from server.request import InferRequest, with_parameters_of
 from server.runners.base import DECOUPLED, RunnerBase
-from server.runners.sequence_inputs import FLAG_END, FLAG_START
+from server.runners.sequence_inputs import FLAG_END, FLAG_START, SequenceInputs, sequence_flags
 from server.scheduling.budget import ByteBudget
 from server.tensors.signature import Signature
 
@@ -67,10 +69,13 @@ class DecoupledRunner(RunnerBase):
     serves = DECOUPLED
 
     def __init__(self, name: str, version: int, backends: list[Backend], signature: Signature, stats: ModelStats,
-                 budget: ByteBudget | None = None, iterative: bool = False, batching: StreamBatching = StreamBatching()):
+                 budget: ByteBudget | None = None, iterative: bool = False, batching: StreamBatching = StreamBatching(),
+                 sequence: SequenceInputs | None = None):
         super().__init__(name, version, stats, budget)
         self.iterative = iterative
         self.batching = batching
+        self.sequence = sequence  # a stateful model's control inputs (sequence_batching): requests need a sequence
+        self._bound: dict[object, int] = {}  # a live sequence's instance: its requests run there, one at a time
         self._ids = itertools.count(1)  # correlation ids of iterative sequences the client did not name
         self.backends, self.signature = backends, signature
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{version}-{i}") for i in range(len(backends))]
@@ -113,8 +118,15 @@ class DecoupledRunner(RunnerBase):
 
     def _sequence(self, request: InferRequest) -> None:
         """The client's sequence parameters as the request's correlation id and flags (an iterative
-        sequence starts here, under the client's id or one of its own)."""
+        sequence starts here, under the client's id or one of its own); a stateful model's requests must
+        name their sequence, and get its control inputs (START, END, READY, CORRID) as Triton gives them."""
         params = request.parameters
+        if self.sequence is not None:
+            flags = sequence_flags(params, self.name)
+            request.correlation_id = flags.cid
+            request.sequence_flags = (FLAG_START if flags.start else 0) | (FLAG_END if flags.end else 0)
+            request.inputs.update(self.sequence.tensors(flags.cid, flags.start, flags.end, None))
+            return
         cid = params.pop("sequence_id", 0)
         start, end = params.pop("sequence_start", False), params.pop("sequence_end", False)
         if self.iterative:
@@ -153,41 +165,65 @@ class DecoupledRunner(RunnerBase):
     def _dispatch(self) -> None:
         """Give free instances the batches that are ready: after an arrival, a freed instance or a batch's
         queue delay running out."""
-        while self._free and self._waiting:
-            batch = self._next_batch()
-            if batch is None:
-                break  # a batch waits for more rows: the timer is set
-            self._start(self._free.popleft(), batch)
+        started = True
+        while started and self._free and self._waiting:
+            started = False
+            for instance in list(self._free):
+                batch = self._next_batch(instance)
+                if batch:
+                    self._free.remove(instance)
+                    self._start(instance, batch)
+                    started = True
         self.stats.set_pending(len(self._waiting))
 
-    def _next_batch(self) -> list[_Waiting] | None:
-        """The oldest waiting request with those that can join it, up to max_batch_size rows; None while
-        such a batch is not full and may still wait (max_queue_delay_microseconds)."""
+    def _next_batch(self, instance: int) -> list[_Waiting] | None:
+        """For a free instance: the oldest waiting request it may run, with those that can join it (equal
+        shapes past dim 0) up to max_batch_size rows; None while such a batch is not full and may still
+        wait (max_queue_delay_microseconds), or when nothing waiting may run there. A stateful model's
+        sequence runs on one instance, one request of it per execute, in order."""
         waiting = self._waiting
         while waiting and waiting[0].opened.done():  # its caller left
             waiting.popleft()
-        if not waiting:
-            return None
-        head = waiting[0]
         limit = self.batching.max_batch_size
-        if limit <= 0:
-            return [waiting.popleft()]
-        batch, rows = [], 0
+        batch: list[_Waiting] = []
+        rows, seen = 0, set()
         for entry in waiting:
             request = entry.request
-            if not entry.opened.done() and request.batch_key == head.request.batch_key and rows + request.batch_size <= limit:
-                batch.append(entry)
-                rows += request.batch_size
-                if rows == limit:
-                    break
-        close_ns = head.request.arrival_ns + self.batching.max_queue_delay_ns
-        if rows < limit and time.monotonic_ns() < close_ns:
+            if entry.opened.done() or not self._may_run(request, instance, seen):
+                continue
+            if batch and (request.batch_key != batch[0].request.batch_key or rows + request.batch_size > limit):
+                continue
+            batch.append(entry)
+            rows += request.batch_size
+            if limit <= 0 or rows >= limit:
+                break
+        if not batch:
+            return None
+        close_ns = batch[0].request.arrival_ns + self.batching.max_queue_delay_ns
+        if 0 < rows < limit and time.monotonic_ns() < close_ns:
             if self._timer is None:
                 self._timer = asyncio.get_running_loop().call_later((close_ns - time.monotonic_ns()) / 1e9, self._closed)
             return None
         chosen = set(map(id, batch))
         self._waiting = collections.deque(e for e in waiting if id(e) not in chosen)
+        if self.sequence is not None:
+            for entry in batch:  # the sequence stays on this instance until its end runs
+                if entry.request.sequence_flags & FLAG_END:
+                    self._bound.pop(entry.request.correlation_id, None)
+                else:
+                    self._bound[entry.request.correlation_id] = instance
         return batch
+
+    def _may_run(self, request: InferRequest, instance: int, seen: set) -> bool:
+        """Whether the instance may take the request now (any, unless the model is stateful: then only the
+        earliest waiting request of its sequence, and only on the instance its sequence runs on)."""
+        if self.sequence is None:
+            return True
+        cid = request.correlation_id
+        if cid in seen:  # a sequence's later request waits for the one before it
+            return False
+        seen.add(cid)
+        return self._bound.get(cid, instance) == instance
 
     def _closed(self) -> None:
         self._timer = None

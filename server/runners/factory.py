@@ -159,8 +159,10 @@ def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget:
                           f"(a model.py whose execute yields responses), not {entry.config.backend!r}")
     config = entry.config
     iterative = _iterative(name, config)
-    batching = StreamBatching()
-    if config.max_batch_size > 0 and config.HasField("dynamic_batching") and not iterative:
+    batching, sequence = StreamBatching(), None
+    if config.HasField("sequence_batching") and not iterative:
+        sequence, batching = _decoupled_sequences(name, config)
+    elif config.max_batch_size > 0 and config.HasField("dynamic_batching") and not iterative:
         db = config.dynamic_batching
         policy = db.default_queue_policy
         batching = StreamBatching(config.max_batch_size, db.max_queue_delay_microseconds * 1000, policy.max_queue_size)
@@ -171,7 +173,27 @@ def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget:
             log.warning("model '%s': a decoupled model's queue takes max_batch_size, max_queue_delay_microseconds and "
                         "default_queue_policy.max_queue_size; dynamic_batching %s does not apply to it",
                         name, ", ".join(unused))
-    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget, iterative, batching)
+    return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget, iterative, batching,
+                           sequence)
+
+
+def _decoupled_sequences(name: str, config: mc.ModelConfig) -> tuple[SequenceInputs, StreamBatching]:
+    """A stateful decoupled model: its control inputs, and its batches (the sequence batcher's: one request
+    per sequence, up to max_batch_size, within the strategy's max_queue_delay)."""
+    sb = config.sequence_batching
+    sequence = SequenceInputs.from_config(config, f"model '{name}'")
+    if sequence.states:
+        raise ConfigError(f"model '{name}': sequence_batching.state (implicit state) is not supported for a decoupled "
+                          "model (which of its responses would carry the state?); keep the state in the model's "
+                          "instance, by correlation id")
+    strategy = sb.oldest if sb.WhichOneof("strategy_choice") == "oldest" else sb.direct
+    unused = [f"sequence_batching.{f.name}" for f, _ in sb.ListFields()
+              if f.name not in ("control_input", "direct", "oldest")]
+    unused += [f"sequence_batching.oldest.{f.name}" for f, _ in sb.oldest.ListFields() if f.name != "max_queue_delay_microseconds"]
+    if unused:
+        log.warning("model '%s': a decoupled sequence model's requests run on their sequence's instance, one per "
+                    "sequence per execute; %s does not apply to it", name, ", ".join(unused))
+    return sequence, StreamBatching(max(config.max_batch_size, 0), strategy.max_queue_delay_microseconds * 1000)
 
 
 def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_stats: GenerationStats,

@@ -3,7 +3,9 @@ in one execute, as Triton's dynamic batcher gives them: up to max_batch_size row
 be joined (the same shapes past dim 0), in arrival order, each answered through its own response sender
 to its own caller; a request that fails fails alone; one whose caller left while it waited never runs;
 max_queue_delay_microseconds holds a batch that is not full while the instance is free; a full queue
-(default_queue_policy.max_queue_size) refuses the next request UNAVAILABLE and serves the rest."""
+(default_queue_policy.max_queue_size) refuses the next request UNAVAILABLE and serves the rest. A
+decoupled stateful model (sequence_batching) gets Triton's control inputs, and each sequence's requests
+run in order on one instance, one per execute."""
 
 from __future__ import annotations
 
@@ -136,3 +138,42 @@ def test_a_full_queue_refuses_the_next_request_unavailable_and_serves_the_others
     assert [running.first(), queued.first()] == [{"Y": [[10]], "BATCH": [[1]]}, {"Y": [[20]], "BATCH": [[1]]}]
     stats = kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name="tqueue")).model_stats[0]
     assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (2, 1)
+
+
+def sequence_stream(server: RunningServer, cid: int | None, count: int) -> list:
+    """`count` requests of sequence `cid` sent at once on one ModelStreamInfer stream (START on the first, END
+    on the last; no sequence parameters when cid is None); their responses, in order."""
+    requests = []
+    for i in range(count):
+        request = kserve.request("tseq_stream", {"IN": np.array([[i]], np.int32)})
+        if cid is not None:
+            request.parameters["sequence_id"].int64_param = cid
+            request.parameters["sequence_start"].bool_param = i == 0
+            request.parameters["sequence_end"].bool_param = i == count - 1
+        requests.append(request)
+    answers = []
+    for response in kserve.stub(server.channel).ModelStreamInfer(iter(requests), timeout=120):
+        answers.append(response.error_message or kserve.outputs(response.infer_response)["OUT"][0].tolist())
+        if len(answers) == count:
+            break
+    return answers
+
+
+def test_a_stateful_decoupled_model_gets_control_inputs_and_each_sequence_stays_on_one_instance(served):
+    server, _, _, _ = served
+    results: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda c=cid: results.__setitem__(c, sequence_stream(server, c, 4)))
+               for cid in (11, 12, 13)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(180)
+    for cid in (11, 12, 13):
+        answers = results[cid]
+        # START on the first only, END on the last only, READY always, CORRID the sequence's; counted 1..4 in
+        # one instance (one process), in order
+        assert [a[:5] for a in answers] == [[1, 0, 1, cid, 1], [0, 0, 1, cid, 2], [0, 0, 1, cid, 3], [0, 1, 1, cid, 4]]
+        assert len({a[5] for a in answers}) == 1
+        assert all(1 <= a[6] <= 2 for a in answers)  # never more than max_batch_size
+    missing = sequence_stream(server, None, 1)
+    assert "must specify a non-zero or non-empty correlation ID" in missing[0]
