@@ -7,8 +7,9 @@ every dict it yields one response). Requests wait for a free instance in arrival
 `dynamic_batching` and a `max_batch_size` gets the requests waiting then (up to max_batch_size rows,
 those that can be joined with the oldest: the same shapes past dim 0) in one execute, as Triton's
 dynamic batcher gives them, each with its own response sender; `max_queue_delay_microseconds` lets a
-batch wait for more rows while an instance is free, and `default_queue_policy.max_queue_size` bounds
-the requests waiting (more are refused UNAVAILABLE). Otherwise each request runs alone in its execute.
+batch wait for more rows while an instance is free, and `default_queue_policy` bounds the requests
+waiting (max_queue_size: more are refused UNAVAILABLE) and their time there (a request's `timeout`,
+default_timeout_microseconds: DEADLINE_EXCEEDED when it passes before the request runs). Otherwise each request runs alone in its execute.
 As in Triton, the instance is free again once `execute` returns:
 responses a model sends afterwards (from a thread of its own) still reach their caller, while the
 instance runs the next request. A caller that goes away makes the model's `is_cancelled()` true and
@@ -37,13 +38,14 @@ from typing import AsyncIterator
 import numpy as np
 
 from server.backends.base import STREAM_END, Backend
-from server.errors import BackendError, FerryError, ModelUnavailableError, QueueFullError
+from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
 from server.observability.metrics import ModelStats, failure_reason
 from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
 from server.request import InferRequest, with_parameters_of
 from server.runners.base import DECOUPLED, RunnerBase
 from server.runners.sequence_inputs import FLAG_END, FLAG_START, SequenceInputs, sequence_flags
 from server.scheduling.budget import ByteBudget
+from server.scheduling.queue import REJECT, QueuePolicy
 from server.tensors.signature import Signature
 
 
@@ -53,7 +55,7 @@ class StreamBatching:
 
     max_batch_size: int = 0  # rows per execute; 0: one request per execute
     max_queue_delay_ns: int = 0  # how long a batch that is not full may wait for more while an instance is free
-    max_queue_size: int = 0  # requests waiting for an instance, past which new ones are refused; 0: unbounded
+    queue: QueuePolicy = QueuePolicy()  # dynamic_batching.default_queue_policy: max_queue_size and timeouts
 
 
 @dataclass(slots=True, eq=False)
@@ -108,7 +110,8 @@ class DecoupledRunner(RunnerBase):
                 trace.mark(COMPUTE_END)
         except BaseException as exc:  # a caller that leaves closes the stream: GeneratorExit or CancelledError
             # the model's own errors are BACKEND; a full queue REJECTED
-            failure = "BACKEND" if isinstance(exc, FerryError) and not isinstance(exc, QueueFullError) else failure_reason(exc)
+            refused = isinstance(exc, (QueueFullError, DeadlineExceededError))
+            failure = "BACKEND" if isinstance(exc, FerryError) and not refused else failure_reason(exc)
             raise
         finally:
             self._give_bytes(request.nbytes)
@@ -137,20 +140,26 @@ class DecoupledRunner(RunnerBase):
 
     async def _run(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The request's responses, once a free instance has taken it (in a batch where the model batches)."""
-        limit = self.batching.max_queue_size
-        if limit and len(self._waiting) >= limit:
-            raise QueueFullError(f"model '{self.name}': request queue is full (max_queue_size {limit}); retry later "
-                                 "or raise max_queue_size")
-        waiting = _Waiting(request, asyncio.Queue(), asyncio.get_running_loop().create_future())
+        policy = self.batching.queue
+        if policy.max_queue_size and len(self._waiting) >= policy.max_queue_size:
+            raise QueueFullError(f"model '{self.name}': request queue is full (max_queue_size {policy.max_queue_size}); "
+                                 "retry later or raise max_queue_size")
+        loop = asyncio.get_running_loop()
+        waiting = _Waiting(request, asyncio.Queue(), loop.create_future())
         self._waiting.append(waiting)
+        deadline_ns = policy.deadline_ns(request.arrival_ns, request.timeout_us, request.deadline_ns)
+        expiry = None
+        if deadline_ns is not None and policy.timeout_action == REJECT:
+            expiry = loop.call_later(max(deadline_ns - time.monotonic_ns(), 0) / 1e9, self._expire, waiting)
         self._dispatch()
         try:
             stream = await waiting.opened  # a caller that leaves cancels it: its batch drops it
         except asyncio.CancelledError:
-            if waiting in self._waiting:
-                self._waiting.remove(waiting)
-                self.stats.set_pending(len(self._waiting))
+            self._leave(waiting)
             raise
+        finally:
+            if expiry is not None:
+                expiry.cancel()
         strict = not getattr(stream.backend, "per_request", False)
         try:
             while (item := await waiting.answers.get()) is not STREAM_END:
@@ -160,6 +169,22 @@ class DecoupledRunner(RunnerBase):
         finally:
             stream.cancel()  # nothing more to read: whatever the model still sends is dropped
             self._open.discard(stream)
+
+    def _leave(self, waiting: _Waiting) -> None:
+        if waiting in self._waiting:
+            self._waiting.remove(waiting)
+            self.stats.set_pending(len(self._waiting))
+
+    def _expire(self, waiting: _Waiting) -> None:
+        """A waiting request's deadline (its `timeout`, the queue policy's default, the call's) passed."""
+        if waiting.opened.done() or waiting not in self._waiting:
+            return
+        self._leave(waiting)
+        self.stats.record_deadline_miss()
+        waited_ms = (time.monotonic_ns() - waiting.request.arrival_ns) / 1e6
+        waiting.opened.set_exception(DeadlineExceededError(
+            f"request to model '{self.name}' waited {waited_ms:.1f} ms in the queue and its deadline passed before "
+            "it could run"))
 
     # ---- feeding the instances, on the event loop
     def _dispatch(self) -> None:

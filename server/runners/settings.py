@@ -37,17 +37,18 @@ def batching_settings(config: mc.ModelConfig) -> BatchingSettings:
     )
 
 
+def queue_policy(policy: mc.ModelQueuePolicy) -> QueuePolicy:
+    action = DELAY if policy.timeout_action == mc.ModelQueuePolicy.DELAY else REJECT
+    return QueuePolicy(action, policy.default_timeout_microseconds, policy.allow_timeout_override, policy.max_queue_size)
+
+
 def request_queue(config: mc.ModelConfig, max_queued: int) -> RequestQueue:
     """Priority levels and queue policies, read from `dynamic_batching` for every batching policy."""
     db = config.dynamic_batching
     levels = max(int(db.priority_levels), 1)
-
-    def policy(p: mc.ModelQueuePolicy) -> QueuePolicy:
-        action = DELAY if p.timeout_action == mc.ModelQueuePolicy.DELAY else REJECT
-        return QueuePolicy(action, p.default_timeout_microseconds, p.allow_timeout_override, p.max_queue_size)
-
-    default = policy(db.default_queue_policy)
-    policies = [policy(db.priority_queue_policy[i]) if i in db.priority_queue_policy else default for i in range(1, levels + 1)]
+    default = queue_policy(db.default_queue_policy)
+    policies = [queue_policy(db.priority_queue_policy[i]) if i in db.priority_queue_policy else default
+                for i in range(1, levels + 1)]
     default_level = int(db.default_priority_level) or 1
     if default_level > levels:
         raise field_error(config.name, "dynamic_batching.default_priority_level",

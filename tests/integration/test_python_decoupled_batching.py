@@ -3,7 +3,8 @@ in one execute, as Triton's dynamic batcher gives them: up to max_batch_size row
 be joined (the same shapes past dim 0), in arrival order, each answered through its own response sender
 to its own caller; a request that fails fails alone; one whose caller left while it waited never runs;
 max_queue_delay_microseconds holds a batch that is not full while the instance is free; a full queue
-(default_queue_policy.max_queue_size) refuses the next request UNAVAILABLE and serves the rest. A
+(default_queue_policy.max_queue_size) refuses the next request and serves the rest; a request whose
+`timeout` passes while it waits ends with its deadline, never running. A
 decoupled stateful model (sequence_batching) gets Triton's control inputs, and each sequence's requests
 run in order on one instance, one per execute."""
 
@@ -24,10 +25,12 @@ class Stream:
     """One request on a ModelStreamInfer call of its own (kept open, as tritonclient keeps its stream),
     its responses collected by a thread: outputs, ("error", message) or ("rpc", status)."""
 
-    def __init__(self, server: RunningServer, model: str, x: list[list[int]]):
+    def __init__(self, server: RunningServer, model: str, x: list[list[int]], timeout_us: int = 0):
         self.items: list = []
         self._close = threading.Event()
         request = kserve.request(model, {"X": np.array(x, np.int32)})
+        if timeout_us:
+            request.parameters["timeout"].int64_param = timeout_us
 
         def requests():
             yield request
@@ -121,12 +124,16 @@ def test_a_batch_that_is_not_full_waits_its_queue_delay_while_the_instance_is_fr
     assert [first.first(), second.first()] == [{"Y": [[10]], "BATCH": [[2]]}, {"Y": [[20]], "BATCH": [[2]]}]
 
 
-def test_a_full_queue_refuses_the_next_request_unavailable_and_serves_the_others(served):
+def test_a_full_queue_refuses_the_next_request_and_a_timed_out_one_leaves_it_and_the_others_are_served(served):
     server, gate, _, streams = served
     tqueue_gate, tqueue_entered = gate.with_name("tqueue.gate"), gate.with_name("tqueue.entered")
     running = Stream(server, "tqueue", [[1]])
     streams.append(running)
     wait_for(tqueue_entered.exists, 60, "tqueue to be running the first request")
+    timed = Stream(server, "tqueue", [[9]], timeout_us=50_000)  # its 50 ms pass in the queue: it never runs
+    streams.append(timed)
+    item = timed.first()
+    assert item[0] == "error" and "its deadline passed before it could run" in item[1]
     queued = Stream(server, "tqueue", [[2]])
     streams.append(queued)
     wait_for(lambda: pending(server, "tqueue") == 1, 60, "the second request to be queued")
@@ -137,7 +144,8 @@ def test_a_full_queue_refuses_the_next_request_unavailable_and_serves_the_others
     tqueue_gate.touch()
     assert [running.first(), queued.first()] == [{"Y": [[10]], "BATCH": [[1]]}, {"Y": [[20]], "BATCH": [[1]]}]
     stats = kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name="tqueue")).model_stats[0]
-    assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (2, 1)
+    assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (2, 2)
+    assert server.metric("nv_inference_pending_request_count", model="tqueue") == 0
 
 
 def sequence_stream(server: RunningServer, cid: int | None, count: int) -> list:
