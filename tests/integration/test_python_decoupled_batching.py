@@ -55,6 +55,10 @@ class Stream:
         self._close.set()
 
 
+def statistics(server: RunningServer, model: str):
+    return kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name=model), timeout=30).model_stats[0]
+
+
 def pending(server: RunningServer, model: str) -> float | None:
     return server.metric("nv_inference_pending_request_count", model=model)
 
@@ -109,7 +113,9 @@ def test_waiting_requests_run_in_one_execute_each_answered_alone(served):
     assert seen.first()["Y"] == [[1, 2, 3, -4, 6, 5, 5, 7]]  # in the order the executes got them; 99 never ran
     assert all(len(s.items) == 1 for s in (a, b, c, d, e, f, g))  # one response each, to its own caller
 
-    stats = kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name="tbatched")).model_stats[0]
+    # counted when each execute has returned, which the server may hear just after the last response
+    wait_for(lambda: statistics(server, "tbatched").execution_count == 5, 60, "the last execute to be counted")
+    stats = statistics(server, "tbatched")
     assert (stats.execution_count, stats.inference_count) == (5, 8)  # A, BCDF, E, G, the SEEN request
     assert {b.batch_size: b.compute_infer.count for b in stats.batch_stats} == {1: 4, 4: 1}
 
@@ -143,9 +149,12 @@ def test_a_full_queue_refuses_the_next_request_and_a_timed_out_one_leaves_it_and
     assert item[0] == "error" and "request queue is full (max_queue_size 1)" in item[1]
     tqueue_gate.touch()
     assert [running.first(), queued.first()] == [{"Y": [[10]], "BATCH": [[1]]}, {"Y": [[20]], "BATCH": [[1]]}]
-    stats = kserve.stub(server.channel).ModelStatistics(pb.ModelStatisticsRequest(name="tqueue")).model_stats[0]
-    assert (stats.inference_stats.success.count, stats.inference_stats.fail.count) == (2, 2)
-    assert server.metric("nv_inference_pending_request_count", model="tqueue") == 0
+    def counts() -> tuple[int, int]:  # a stream is counted once it has ended, just after its last response
+        stats = statistics(server, "tqueue").inference_stats
+        return stats.success.count, stats.fail.count
+
+    wait_for(lambda: counts() == (2, 2), 60, "both answered and both refused requests to be counted")
+    assert pending(server, "tqueue") == 0
 
 
 def sequence_stream(server: RunningServer, cid: int | None, count: int) -> list:
