@@ -11,6 +11,8 @@ hands a decoupled model's execute every request waiting, each with its own respo
   request waits, with the instance free, until a second one fills its batch.
 - tqueue: the same model with default_queue_policy { max_queue_size: 1 } and a gate of its own
   (`tqueue.gate` and `tqueue.entered` beside the repository).
+- tprio: the same model with max_batch_size 1 (one request per execute), priority_levels 2 (default
+  level 2) and a gate of its own (`tprio.gate`, `tprio.entered`).
 - tseq_stream: a decoupled stateful model (sequence_batching with START, END, READY and CORRID control
   inputs), two instances, max_batch_size 2. It counts each sequence's requests in its instance and
   answers each request once: the control values it got, that count, its process id and how many
@@ -112,7 +114,9 @@ def build(repo: Path, gate: Path, entered: Path) -> None:
     for name, rows, delay_us, queue, gate_file, entered_file in (
             ("tbatched", 4, 50_000, "", gate, entered),
             ("tpair", 2, 600_000_000, "", repo.parent, repo.parent / "tpair.entered"),
-            ("tqueue", 4, 0, bounded, repo.parent / "tqueue.gate", repo.parent / "tqueue.entered")):
+            ("tqueue", 4, 0, bounded, repo.parent / "tqueue.gate", repo.parent / "tqueue.entered"),
+            ("tprio", 1, 0, " priority_levels: 2 default_priority_level: 2", repo.parent / "tprio.gate",
+             repo.parent / "tprio.entered")):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(BATCHED)
         (repo / name / "config.pbtxt").write_text(BATCHED_CONFIG % (name, rows, delay_us, queue, gate_file, entered_file))

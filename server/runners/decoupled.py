@@ -9,7 +9,9 @@ those that can be joined with the oldest: the same shapes past dim 0) in one exe
 dynamic batcher gives them, each with its own response sender; `max_queue_delay_microseconds` lets a
 batch wait for more rows while an instance is free, and `default_queue_policy` bounds the requests
 waiting (max_queue_size: more are refused UNAVAILABLE) and their time there (a request's `timeout`,
-default_timeout_microseconds: DEADLINE_EXCEEDED when it passes before the request runs). Otherwise each request runs alone in its execute.
+default_timeout_microseconds: DEADLINE_EXCEEDED when it passes before the request runs);
+`priority_levels` put a higher-priority request ahead of those waiting at lower ones, each level with
+its own queue policy. Otherwise each request runs alone in its execute.
 As in Triton, the instance is free again once `execute` returns:
 responses a model sends afterwards (from a thread of its own) still reach their caller, while the
 instance runs the next request. A caller that goes away makes the model's `is_cancelled()` true and
@@ -45,7 +47,7 @@ from server.request import InferRequest, with_parameters_of
 from server.runners.base import DECOUPLED, RunnerBase
 from server.runners.sequence_inputs import FLAG_END, FLAG_START, SequenceInputs, sequence_flags
 from server.scheduling.budget import ByteBudget
-from server.scheduling.queue import REJECT, QueuePolicy
+from server.scheduling.queue import REJECT, QueuePolicy, RequestQueue
 from server.tensors.signature import Signature
 
 
@@ -55,7 +57,21 @@ class StreamBatching:
 
     max_batch_size: int = 0  # rows per execute; 0: one request per execute
     max_queue_delay_ns: int = 0  # how long a batch that is not full may wait for more while an instance is free
-    queue: QueuePolicy = QueuePolicy()  # dynamic_batching.default_queue_policy: max_queue_size and timeouts
+    levels: RequestQueue | None = None  # dynamic_batching's priority levels and queue policies (None: one, the default)
+
+    def level(self, priority: int) -> int:
+        """A request's `priority` parameter as its level (0 or out of range: the default level, as Triton)."""
+        return self.levels.level(priority) if self.levels is not None else 1
+
+    def policy(self, level: int) -> QueuePolicy:
+        return self.levels.policy(level) if self.levels is not None else _DEFAULT_POLICY
+
+    @property
+    def prioritized(self) -> bool:
+        return self.levels is not None and len(self.levels.policies) > 1
+
+
+_DEFAULT_POLICY = QueuePolicy()
 
 
 @dataclass(slots=True, eq=False)
@@ -140,10 +156,11 @@ class DecoupledRunner(RunnerBase):
 
     async def _run(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The request's responses, once a free instance has taken it (in a batch where the model batches)."""
-        policy = self.batching.queue
-        if policy.max_queue_size and len(self._waiting) >= policy.max_queue_size:
-            raise QueueFullError(f"model '{self.name}': request queue is full (max_queue_size {policy.max_queue_size}); "
-                                 "retry later or raise max_queue_size")
+        level = request.priority = self.batching.level(request.priority)
+        policy = self.batching.policy(level)
+        if policy.max_queue_size and sum(e.request.priority == level for e in self._waiting) >= policy.max_queue_size:
+            raise QueueFullError(f"model '{self.name}': request queue for priority level {level} is full "
+                                 f"(max_queue_size {policy.max_queue_size}); retry later or raise max_queue_size")
         loop = asyncio.get_running_loop()
         waiting = _Waiting(request, asyncio.Queue(), loop.create_future())
         self._waiting.append(waiting)
@@ -212,7 +229,8 @@ class DecoupledRunner(RunnerBase):
         limit = self.batching.max_batch_size
         batch: list[_Waiting] = []
         rows, seen = 0, set()
-        for entry in waiting:
+        # the highest priority first (level 1), then arrival order
+        for entry in sorted(waiting, key=_level) if self.batching.prioritized else waiting:
             request = entry.request
             if entry.opened.done() or not self._may_run(request, instance, seen):
                 continue
@@ -356,6 +374,10 @@ class DecoupledRunner(RunnerBase):
         for thread, backend in zip(self._threads, self.backends):
             await asyncio.to_thread(thread.shutdown, True)
             await asyncio.to_thread(backend.unload)
+
+
+def _level(entry: _Waiting) -> int:
+    return entry.request.priority
 
 
 def _on_loop(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

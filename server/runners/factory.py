@@ -30,7 +30,7 @@ from server.runners.sequence_inputs import SequenceInputs
 from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
 from server.runners.model_calls import LateControl, ModelCalls
-from server.runners.settings import (batching_settings, binpack_settings, generation_settings, queue_policy, request_queue,
+from server.runners.settings import (batching_settings, binpack_settings, generation_settings, request_queue,
                                      speculative_settings)
 from server.scheduling.base import Scheduler
 from server.scheduling.binpack import BinPackBatcher
@@ -153,6 +153,10 @@ def _iterative(name: str, config: mc.ModelConfig) -> bool:
     return True
 
 
+_DECOUPLED_QUEUE_FIELDS = ("max_queue_delay_microseconds", "preserve_ordering", "default_queue_policy", "priority_levels",
+                           "default_priority_level", "priority_queue_policy")
+
+
 def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget) -> DecoupledRunner:
     if entry.config.backend != "python":
         raise ConfigError(f"model '{name}': model_transaction_policy.decoupled needs the python backend "
@@ -165,12 +169,12 @@ def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget:
     elif config.max_batch_size > 0 and config.HasField("dynamic_batching") and not iterative:
         db = config.dynamic_batching
         batching = StreamBatching(config.max_batch_size, db.max_queue_delay_microseconds * 1000,
-                                  queue_policy(db.default_queue_policy))
-        unused = [f.name for f, _ in db.ListFields() if f.name not in ("max_queue_delay_microseconds", "preserve_ordering",
-                                                                       "default_queue_policy")]
+                                  request_queue(config, 0))
+        unused = [f.name for f, _ in db.ListFields() if f.name not in _DECOUPLED_QUEUE_FIELDS]
         if unused:
-            log.warning("model '%s': a decoupled model's queue takes max_batch_size, max_queue_delay_microseconds and "
-                        "default_queue_policy; dynamic_batching %s does not apply to it", name, ", ".join(unused))
+            log.warning("model '%s': a decoupled model's queue takes max_batch_size, max_queue_delay_microseconds, "
+                        "priority levels and queue policies; dynamic_batching %s does not apply to it",
+                        name, ", ".join(unused))
     return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget, iterative, batching,
                            sequence)
 

@@ -4,7 +4,8 @@ be joined (the same shapes past dim 0), in arrival order, each answered through 
 to its own caller; a request that fails fails alone; one whose caller left while it waited never runs;
 max_queue_delay_microseconds holds a batch that is not full while the instance is free; a full queue
 (default_queue_policy.max_queue_size) refuses the next request and serves the rest; a request whose
-`timeout` passes while it waits ends with its deadline, never running. A
+`timeout` passes while it waits ends with its deadline, never running; a higher priority level runs
+first. A
 decoupled stateful model (sequence_batching) gets Triton's control inputs, and each sequence's requests
 run in order on one instance, one per execute."""
 
@@ -25,12 +26,14 @@ class Stream:
     """One request on a ModelStreamInfer call of its own (kept open, as tritonclient keeps its stream),
     its responses collected by a thread: outputs, ("error", message) or ("rpc", status)."""
 
-    def __init__(self, server: RunningServer, model: str, x: list[list[int]], timeout_us: int = 0):
+    def __init__(self, server: RunningServer, model: str, x: list[list[int]], timeout_us: int = 0, priority: int = 0):
         self.items: list = []
         self._close = threading.Event()
         request = kserve.request(model, {"X": np.array(x, np.int32)})
         if timeout_us:
             request.parameters["timeout"].int64_param = timeout_us
+        if priority:
+            request.parameters["priority"].int64_param = priority
 
         def requests():
             yield request
@@ -75,6 +78,7 @@ def served(tmp_path_factory):
     finally:
         gate.touch()  # whatever failed, nothing stays held
         (repo.parent / "tqueue.gate").touch()
+        (repo.parent / "tprio.gate").touch()
         for stream in streams:
             stream.close()
         server.stop()
@@ -146,7 +150,7 @@ def test_a_full_queue_refuses_the_next_request_and_a_timed_out_one_leaves_it_and
     refused = Stream(server, "tqueue", [[3]])
     streams.append(refused)
     item = refused.first()
-    assert item[0] == "error" and "request queue is full (max_queue_size 1)" in item[1]
+    assert item[0] == "error" and "request queue for priority level 1 is full (max_queue_size 1)" in item[1]
     tqueue_gate.touch()
     assert [running.first(), queued.first()] == [{"Y": [[10]], "BATCH": [[1]]}, {"Y": [[20]], "BATCH": [[1]]}]
     def counts() -> tuple[int, int]:  # a stream is counted once it has ended, just after its last response
@@ -155,6 +159,29 @@ def test_a_full_queue_refuses_the_next_request_and_a_timed_out_one_leaves_it_and
 
     wait_for(lambda: counts() == (2, 2), 60, "both answered and both refused requests to be counted")
     assert pending(server, "tqueue") == 0
+
+
+def test_a_higher_priority_request_runs_before_those_waiting_at_lower_levels(served):
+    server, gate, _, streams = served
+    tprio_gate, tprio_entered = gate.with_name("tprio.gate"), gate.with_name("tprio.entered")
+
+    def send(x: int, priority: int = 0) -> Stream:
+        before = pending(server, "tprio") or 0
+        stream = Stream(server, "tprio", [[x]], priority=priority)
+        streams.append(stream)
+        wait_for(lambda: pending(server, "tprio") == before + 1, 60, f"request {x} to be queued")
+        return stream
+
+    held = Stream(server, "tprio", [[4]])
+    streams.append(held)
+    wait_for(tprio_entered.exists, 60, "tprio to be running the first request")
+    low = [send(1), send(2, priority=2)]  # the default level is 2
+    high = send(3, priority=1)
+    tprio_gate.touch()
+    assert [s.first()["Y"] for s in [held, *low, high]] == [[[40]], [[10]], [[20]], [[30]]]
+    seen = Stream(server, "tprio", [[0]])
+    streams.append(seen)
+    assert seen.first()["Y"] == [[4, 3, 1, 2]]  # level 1 first, then level 2 in arrival order
 
 
 def sequence_stream(server: RunningServer, cid: int | None, count: int) -> list:
