@@ -11,18 +11,17 @@ batch wait for more rows while an instance is free, and `default_queue_policy` b
 waiting (max_queue_size: more are refused UNAVAILABLE) and their time there (a request's `timeout`,
 default_timeout_microseconds: DEADLINE_EXCEEDED when it passes before the request runs);
 `priority_levels` put a higher-priority request ahead of those waiting at lower ones, each level with
-its own queue policy. Otherwise each request runs alone in its execute.
-As in Triton, the instance is free again once `execute` returns:
-responses a model sends afterwards (from a thread of its own) still reach their caller, while the
-instance runs the next request. A caller that goes away makes the model's `is_cancelled()` true and
+its own queue policy. Otherwise each request runs alone in its execute. As in Triton, the instance
+is free again once `execute` returns: responses a model sends afterwards (from a thread of its own)
+still reach their caller, while the instance runs the next request. A caller that goes away makes the model's `is_cancelled()` true and
 cancels the BLS calls its request made; what the model sends after that is dropped.
 
 A client's `sequence_id`, `sequence_start` and `sequence_end` become the request's correlation id and
 flags, as the model sees them (Triton's request.correlation_id() and flags()). A stateful model
 (`sequence_batching`) requires them, gets the control inputs the config names, and runs each
-sequence's requests in order on one instance, one per execute, as Triton's sequence batcher does. With `sequence_batching
-{ iterative_sequence: true }` each request is a sequence of its own, started with a correlation id
-of its own; a request the model reschedules runs again on its instance at once (its execute does not
+sequence's requests in order on one instance, one per execute, as Triton's sequence batcher does.
+With `sequence_batching { iterative_sequence: true }` each request is a sequence of its own, started
+with a correlation id of its own; a request the model reschedules runs again on its instance at once (its execute does not
 free the instance), so its stream goes on until the model sends its final response.
 """
 
