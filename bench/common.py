@@ -91,6 +91,12 @@ def machine() -> str:
     return f"{os.cpu_count()} cores ({cpu}), Python {platform.python_version()}, {platform.system()}"
 
 
+def load_note(load_before: float, order: str = "Systems ran one after another.") -> str:
+    """The closing line of a run whose systems ran in turn: how busy the machine was at its start and end."""
+    return (f"\n\nMachine load average (1 min) at the start and end of the run: {load_before:.1f}, "
+            f"{os.getloadavg()[0]:.1f}. {order}\n")
+
+
 def append_results(title: str, body: str) -> None:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     with RESULTS.open("a") as f:

@@ -192,8 +192,7 @@ def main() -> None:
             + common.table(rows, ["server", "model", "concurrency", "streams/s", "ideal streams/s", "p50 ms", "p99 ms",
                                   "errors"])
             + "\n\n" + "\n".join(ratios)
-            + f"\n\nMachine load average (1 min) at the start and end of the run: {load_before:.1f}, "
-              f"{os.getloadavg()[0]:.1f}. Systems ran one after another.\n")
+            + common.load_note(load_before))
     print(body)
     if not args.no_record:
         common.append_results("Decoupled Python models (bench/decoupled.py)", body)

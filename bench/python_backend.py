@@ -277,9 +277,8 @@ def main() -> None:
             + "\n\nA light ONNX model (8 callers) alone and beside a Python model spinning ~200 ms per call (2 callers):\n\n"
             + common.table(spin, ["server", "light model", "alone req/s", "alone p99 ms", "beside req/s", "beside p99 ms", "kept", "p99 x"])
             + ("" if args.triton else "\n\nTriton's Python backend: not measured in this run (--triton).")
-            + f"\n\nMachine load average (1 min) at the start and end of the run: {load_before:.1f}, "
-              f"{os.getloadavg()[0]:.1f}. Systems ran one after another, not interleaved: on a shared machine "
-              "compare within a row (alone / beside) more than across systems.\n")
+            + common.load_note(load_before, "Systems ran one after another, not interleaved: on a shared machine "
+                                            "compare within a row (alone / beside) more than across systems."))
     print(body)
     if not args.no_record:
         common.append_results("Python models in processes of their own (bench/python_backend.py)", body)

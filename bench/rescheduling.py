@@ -173,8 +173,7 @@ def main() -> None:
                                   "requests per execute", "errors"])
             + "\n\n" + "\n".join(ratios)
             + ("" if args.triton else "\n\nTriton's Python backend: not measured in this run (--triton).")
-            + f"\n\nMachine load average (1 min) at the start and end of the run: {load_before:.1f}, "
-              f"{os.getloadavg()[0]:.1f}. Systems ran one after another.\n")
+            + common.load_note(load_before))
     print(body)
     if not args.no_record:
         common.append_results("Request rescheduling, iterative sequences (bench/rescheduling.py)", body)

@@ -16,7 +16,8 @@ hands a decoupled model's execute every request waiting, each with its own respo
 - tseq_stream: a decoupled stateful model (sequence_batching with START, END, READY and CORRID control
   inputs), two instances, max_batch_size 2. It counts each sequence's requests in its instance and
   answers each request once: the control values it got, that count, its process id and how many
-  requests its execute got. An execute takes 20 ms, so a sequence's requests pile up behind each other.
+  requests its execute got. An execute sleeps 20 ms so a sequence's requests usually pile up behind each
+  other (what would expose a sequence spread over instances); the test's assertions hold whatever the timing.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import numpy as np
 from protos import model_config_pb2 as mc
 
 
-STREAM_END = object()  # a decoupled backend's `open_stream` delivers it after a request's final response
+STREAM_END = object()  # a decoupled backend's `open_streams` delivers it after a request's final response
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from protos import model_config_pb2 as mc
+from server.backends import nvidia
 from server.backends.base import STREAM_END, Backend, Device, parameter
 from server.backends.python import priority
 from server.backends.python import protocol as p
@@ -64,8 +65,7 @@ class PythonBackend(Backend):
     @classmethod
     def cuda_devices(cls) -> int:
         """GPUs the NVIDIA driver reports (model code may use them; Ferry imports no CUDA library for it)."""
-        gpus = Path("/proc/driver/nvidia/gpus")
-        return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+        return nvidia.gpu_count()
 
     @classmethod
     def complete_config(cls, config: mc.ModelConfig, model_path: Path, default_max_batch_size: int) -> None:

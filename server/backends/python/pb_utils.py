@@ -13,10 +13,10 @@ import asyncio
 import enum
 import json
 import struct
-from pathlib import Path
 
 import numpy as np
 
+from server.backends import nvidia
 from server.backends.python import protocol as p
 
 _host = None  # the process's Host, set once by `install`
@@ -69,7 +69,7 @@ class PreferredMemory:
         global _gpu_said
         if self.preferred_memory_type != TRITONSERVER_MEMORY_GPU:
             return
-        if not Path("/proc/driver/nvidia/gpus").is_dir():
+        if nvidia.gpu_count() == 0:
             raise TritonModelException("InferenceRequest: preferred_memory asks TRITONSERVER_MEMORY_GPU but this "
                                        "machine has no GPU; leave preferred_memory out (or ask "
                                        "TRITONSERVER_MEMORY_CPU) to get the outputs as host tensors")
