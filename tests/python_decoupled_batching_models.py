@@ -16,7 +16,7 @@ hands a decoupled model's execute every request waiting, each with its own respo
 - tseq_stream: a decoupled stateful model (sequence_batching with START, END, READY and CORRID control
   inputs), two instances, max_batch_size 2. It counts each sequence's requests in its instance and
   answers each request once: the control values it got, that count, its process id and how many
-  requests its execute got. An execute sleeps 20 ms so a sequence's requests usually pile up behind each
+  requests its execute got. tseq_idle: the same, released after 200 ms without a request. An execute sleeps 20 ms so a sequence's requests usually pile up behind each
   other (what would expose a sequence spread over instances); the test's assertions hold whatever the timing.
 """
 
@@ -93,7 +93,7 @@ class TritonPythonModel:
                                                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 '''
-SEQUENCE_CONFIG = """name: "tseq_stream"
+SEQUENCE_CONFIG = """name: "%s"
 backend: "python"
 max_batch_size: 2
 input [{ name: "IN", data_type: TYPE_INT32, dims: [ 1 ] }]
@@ -101,6 +101,7 @@ output [{ name: "OUT", data_type: TYPE_INT64, dims: [ 7 ] }]
 model_transaction_policy { decoupled: true }
 instance_group [{ count: 2, kind: KIND_CPU }]
 sequence_batching {
+  max_sequence_idle_microseconds: %d
   control_input [{ name: "START", control [{ kind: CONTROL_SEQUENCE_START, int32_false_true: [0, 1] }] },
                  { name: "END", control [{ kind: CONTROL_SEQUENCE_END, int32_false_true: [0, 1] }] },
                  { name: "READY", control [{ kind: CONTROL_SEQUENCE_READY, int32_false_true: [0, 1] }] },
@@ -121,6 +122,7 @@ def build(repo: Path, gate: Path, entered: Path) -> None:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(BATCHED)
         (repo / name / "config.pbtxt").write_text(BATCHED_CONFIG % (name, rows, delay_us, queue, gate_file, entered_file))
-    (repo / "tseq_stream" / "1").mkdir(parents=True)
-    (repo / "tseq_stream" / "1" / "model.py").write_text(SEQUENCE)
-    (repo / "tseq_stream" / "config.pbtxt").write_text(SEQUENCE_CONFIG)
+    for name, idle_us in (("tseq_stream", 600_000_000), ("tseq_idle", 200_000)):
+        (repo / name / "1").mkdir(parents=True)
+        (repo / name / "1" / "model.py").write_text(SEQUENCE)
+        (repo / name / "config.pbtxt").write_text(SEQUENCE_CONFIG % (name, idle_us))

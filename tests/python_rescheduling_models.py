@@ -161,7 +161,7 @@ max_batch_size: 2
 input [{ name: "IN", data_type: TYPE_INT32, dims: [ 1 ] }]
 output [{ name: "CID", data_type: TYPE_UINT64, dims: [ 1 ] }, { name: "FLAGS", data_type: TYPE_INT32, dims: [ 1 ] },
         { name: "SEEN", data_type: TYPE_INT32, dims: [ 1 ] }]
-sequence_batching { }
+sequence_batching { max_sequence_idle_microseconds: 600000000 }
 """
 
 

@@ -19,7 +19,11 @@ cancels the BLS calls its request made; what the model sends after that is dropp
 A client's `sequence_id`, `sequence_start` and `sequence_end` become the request's correlation id and
 flags, as the model sees them (Triton's request.correlation_id() and flags()). A stateful model
 (`sequence_batching`) requires them, gets the control inputs the config names, and runs each
-sequence's requests in order on one instance, one per execute, as Triton's sequence batcher does.
+sequence's requests in order on one instance, one per execute, as Triton's sequence batcher does. As
+there, a sequence is live from its START to its END, a request of a sequence that is not live (never
+started, ended, failed, or released after `max_sequence_idle_microseconds` without a request) is
+refused, and an idle sequence is released, so a client that vanishes mid-sequence leaves nothing
+behind (the model's own per-sequence state is the model's to drop, at its END or never).
 With `sequence_batching { iterative_sequence: true }` each request is a sequence of its own, started
 with a correlation id of its own; a request the model reschedules runs again on its instance at once (its execute does not
 free the instance), so its stream goes on until the model sends its final response.
@@ -31,6 +35,7 @@ import asyncio
 import collections
 import functools
 import itertools
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,7 +44,9 @@ from typing import AsyncIterator
 import numpy as np
 
 from server.backends.base import STREAM_END, Backend
-from server.errors import BackendError, DeadlineExceededError, FerryError, ModelUnavailableError, QueueFullError
+from server.defaults import DEFAULT_SEQUENCE_IDLE_US
+from server.errors import (BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError,
+                           QueueFullError)
 from server.observability.metrics import ModelStats, failure_reason
 from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
 from server.request import InferRequest, with_parameters_of
@@ -47,7 +54,10 @@ from server.runners.base import DECOUPLED, RunnerBase
 from server.runners.sequence_inputs import FLAG_END, FLAG_START, SequenceInputs, sequence_flags
 from server.scheduling.budget import ByteBudget
 from server.scheduling.queue import REJECT, QueuePolicy, RequestQueue
+from server.scheduling.sequence_slots import SequenceSlots
 from server.tensors.signature import Signature
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +97,16 @@ class DecoupledRunner(RunnerBase):
 
     def __init__(self, name: str, version: int, backends: list[Backend], signature: Signature, stats: ModelStats,
                  budget: ByteBudget | None = None, iterative: bool = False, batching: StreamBatching = StreamBatching(),
-                 sequence: SequenceInputs | None = None):
+                 sequence: SequenceInputs | None = None, slots: SequenceSlots | None = None):
         super().__init__(name, version, stats, budget)
         self.iterative = iterative
         self.batching = batching
         self.sequence = sequence  # a stateful model's control inputs (sequence_batching): requests need a sequence
+        if sequence is not None and slots is None:
+            slots = SequenceSlots(0, DEFAULT_SEQUENCE_IDLE_US * 1000)
+        self.slots = slots  # a stateful model's live sequences (no limit on how many)
         self._bound: dict[object, int] = {}  # a live sequence's instance: its requests run there, one at a time
+        self._pending: collections.Counter = collections.Counter()  # per live sequence: its requests not yet over
         self._ids = itertools.count(1)  # correlation ids of iterative sequences the client did not name
         self.backends, self.signature = backends, signature
         self._threads = [ThreadPoolExecutor(1, thread_name_prefix=f"{name}-{version}-{i}") for i in range(len(backends))]
@@ -109,15 +123,17 @@ class DecoupledRunner(RunnerBase):
     async def stream(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The request's responses as the model yields them; raises a FerryError if the model fails."""
         self._admit_check()
-        self._sequence(request)
+        live = self._sequence(request)
         self._take_bytes(request.nbytes, request.arrival_ns)
         self._streams += 1
-        failure = ""
+        if live is not None:
+            self._pending[request.correlation_id] += 1
+        failure, ran = "", []
         trace = request.trace  # a sampled request's (tracing/record.py): each response is a timestamp
         if trace is not None:
             trace.mark(QUEUE_START)
         try:
-            async for outputs in self._run(request):
+            async for outputs in self._run(request, ran):
                 if trace is not None:
                     trace.mark(INFER_RESPONSE_COMPLETE)
                 yield outputs
@@ -131,20 +147,27 @@ class DecoupledRunner(RunnerBase):
         finally:
             self._give_bytes(request.nbytes)
             self._streams -= 1
+            if live is not None:
+                self._sequence_request_over(request, live, reached_model=bool(ran))
             self._wake.set()
             self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=not failure, reason=failure)
 
-    def _sequence(self, request: InferRequest) -> None:
+    def _sequence(self, request: InferRequest):
         """The client's sequence parameters as the request's correlation id and flags (an iterative
         sequence starts here, under the client's id or one of its own); a stateful model's requests must
-        name their sequence, and get its control inputs (START, END, READY, CORRID) as Triton gives them."""
+        name a live sequence (or start one), and get its control inputs (START, END, READY, CORRID) as
+        Triton gives them. Returns the stateful model's live sequence the request belongs to."""
         params = request.parameters
         if self.sequence is not None:
             flags = sequence_flags(params, self.name)
+            now = time.monotonic_ns()
+            live = self.slots.begin(flags.cid, now) if flags.start else self.slots.touch(flags.cid, now)
+            if live is None:
+                raise _not_live(flags.cid, self.name)
             request.correlation_id = flags.cid
             request.sequence_flags = (FLAG_START if flags.start else 0) | (FLAG_END if flags.end else 0)
             request.inputs.update(self.sequence.tensors(flags.cid, flags.start, flags.end, None))
-            return
+            return live
         cid = params.pop("sequence_id", 0)
         start, end = params.pop("sequence_start", False), params.pop("sequence_end", False)
         if self.iterative:
@@ -153,8 +176,29 @@ class DecoupledRunner(RunnerBase):
             request.correlation_id = cid
             request.sequence_flags = (FLAG_START if start else 0) | (FLAG_END if end else 0)
 
-    async def _run(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
-        """The request's responses, once a free instance has taken it (in a batch where the model batches)."""
+    def _sequence_request_over(self, request: InferRequest, live, reached_model: bool) -> None:
+        """One of a live sequence's requests is over. One that never reached the model (refused or left in
+        the queue) ends its sequence, as the model would otherwise see a sequence with a request missing
+        (its START, say); one that ran leaves it live (the model answered it, errors included: the model
+        decides what its sequence holds) and idle from now on if nothing more of it waits. Its END ended
+        the sequence when it was taken to run."""
+        cid = request.correlation_id
+        self._pending[cid] -= 1
+        if not self._pending[cid]:
+            del self._pending[cid]
+        if not reached_model:
+            self._end_sequence(cid, live)
+        else:
+            self.slots.touch(cid, time.monotonic_ns())
+
+    def _end_sequence(self, cid, live) -> None:
+        """End `live` (not a sequence a START has since begun again under the same id)."""
+        if self.slots.end(cid, live):
+            self._bound.pop(cid, None)
+
+    async def _run(self, request: InferRequest, ran: list) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The request's responses, once a free instance has taken it (in a batch where the model batches);
+        `ran` gets an item once the model has it."""
         level = request.priority = self.batching.level(request.priority)
         policy = self.batching.policy(level)
         if policy.max_queue_size and sum(e.request.priority == level for e in self._waiting) >= policy.max_queue_size:
@@ -176,6 +220,7 @@ class DecoupledRunner(RunnerBase):
         finally:
             if expiry is not None:
                 expiry.cancel()
+        ran.append(True)
         strict = not getattr(stream.backend, "per_request", False)
         try:
             while (item := await waiting.answers.get()) is not STREAM_END:
@@ -222,6 +267,8 @@ class DecoupledRunner(RunnerBase):
         shapes past dim 0) up to max_batch_size rows; None while such a batch is not full and may still
         wait (max_queue_delay_microseconds), or when nothing waiting may run there. A stateful model's
         sequence runs on one instance, one request of it per execute, in order."""
+        if self.sequence is not None:
+            self._refuse_ended()
         waiting = self._waiting
         while waiting and waiting[0].opened.done():  # its caller left
             waiting.popleft()
@@ -249,12 +296,32 @@ class DecoupledRunner(RunnerBase):
         chosen = set(map(id, batch))
         self._waiting = collections.deque(e for e in waiting if id(e) not in chosen)
         if self.sequence is not None:
-            for entry in batch:  # the sequence stays on this instance until its end runs
-                if entry.request.sequence_flags & FLAG_END:
-                    self._bound.pop(entry.request.correlation_id, None)
-                else:
-                    self._bound[entry.request.correlation_id] = instance
+            self._bind(batch, instance)
         return batch
+
+    def _bind(self, batch: list[_Waiting], instance: int) -> None:
+        """A stateful model's sequences stay on the instance that takes their requests until their END runs;
+        what comes after an END must START again."""
+        for entry in batch:
+            cid = entry.request.correlation_id
+            if entry.request.sequence_flags & FLAG_END:
+                self._bound.pop(cid, None)
+                self.slots.end(cid)
+            else:
+                self._bound[cid] = instance
+
+    def _refuse_ended(self) -> None:
+        """Waiting requests whose sequence ended while they waited (its END was taken to run, or a request of
+        it never reached the model) are refused, as a late-comer would be, unless they start it again."""
+        now, ended = time.monotonic_ns(), []
+        for entry in self._waiting:
+            request = entry.request
+            if not (entry.opened.done() or request.sequence_flags & FLAG_START
+                    or self.slots.touch(request.correlation_id, now)):
+                entry.opened.set_exception(_not_live(request.correlation_id, self.name))
+                ended.append(entry)
+        for entry in ended:
+            self._waiting.remove(entry)
 
     def _may_run(self, request: InferRequest, instance: int, seen: set) -> bool:
         """Whether the instance may take the request now (any, unless the model is stateful: then only the
@@ -355,10 +422,21 @@ class DecoupledRunner(RunnerBase):
         return with_parameters_of(checked, outputs)
 
     async def _loop(self) -> None:
-        """Nothing to schedule: wait for the close, then for the streams still running."""
+        """Release idle sequences on time; wait for the close, then for the streams still running."""
         while self._accepting or self._streams:
             self._wake.clear()
-            await self._wake.wait()
+            timeout = None
+            if self.slots is not None:
+                for cid in self.slots.expire(time.monotonic_ns(), set(self._pending)):
+                    self._bound.pop(cid, None)
+                    log.info("model '%s': sequence %r released after %.3f s idle", self.name, cid,
+                             self.slots.idle_ns / 1e9)
+                wake_ns = self.slots.next_event_ns()
+                timeout = None if wake_ns is None else max(0.0, (wake_ns - time.monotonic_ns()) / 1e9)
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except TimeoutError:
+                pass
 
     def _abandon_all(self, error: ModelUnavailableError) -> None:
         """Streams still running end when their generators do; their callers see the stream end."""
@@ -373,6 +451,12 @@ class DecoupledRunner(RunnerBase):
         for thread, backend in zip(self._threads, self.backends):
             await asyncio.to_thread(thread.shutdown, True)
             await asyncio.to_thread(backend.unload)
+
+
+def _not_live(cid, model: str) -> InvalidInputError:
+    return InvalidInputError(f"inference request for sequence {cid!r} to model '{model}' must specify the START flag "
+                             "on the first request of the sequence (it is not active: never started, ended, failed "
+                             "before it reached the model, or released after being idle)")
 
 
 def _level(entry: _Waiting) -> int:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from protos import model_config_pb2 as mc
 from server.backends import GENERATION
-from server.defaults import MAX_QUEUED_REQUESTS
+from server.defaults import DEFAULT_SEQUENCE_IDLE_US, MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
 from server.observability.custom_metrics import CustomMetrics
 from server.observability.generation_metrics import GenerationFamilies, GenerationStats
@@ -137,8 +137,14 @@ def sequence_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: 
         capacity = max(config.max_batch_size, 1) * len(workers)
     inner = ModelRunner(name, entry.version, build_scheduler(batching, max_queued), workers, stats, budget=budget,
                         loop_load=loop_load)
-    return SequenceRunner(inner, extra, SequenceSlots(capacity, sb.max_sequence_idle_microseconds * 1000),
-                          iterative=_iterative(name, config))
+    return SequenceRunner(inner, extra, SequenceSlots(capacity, idle_ns(sb)), iterative=_iterative(name, config))
+
+
+def idle_ns(sb: mc.ModelSequenceBatching) -> int:
+    """How long a sequence may go without a request before it is released: `max_sequence_idle_microseconds`,
+    or Triton's default of one second when it is unset or 0 (a client that vanished mid-sequence must not
+    hold a slot, or the model's state for it, for ever)."""
+    return (sb.max_sequence_idle_microseconds or DEFAULT_SEQUENCE_IDLE_US) * 1000
 
 
 def _iterative(name: str, config: mc.ModelConfig) -> bool:
@@ -175,8 +181,9 @@ def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget:
             log.warning("model '%s': a decoupled model's queue takes max_batch_size, max_queue_delay_microseconds, "
                         "priority levels and queue policies; dynamic_batching %s does not apply to it",
                         name, ", ".join(unused))
+    slots = SequenceSlots(0, idle_ns(config.sequence_batching)) if sequence is not None else None
     return DecoupledRunner(name, entry.version, entry.backends, entry.signature, stats, budget, iterative, batching,
-                           sequence)
+                           sequence, slots)
 
 
 def _decoupled_sequences(name: str, config: mc.ModelConfig) -> tuple[SequenceInputs, StreamBatching]:
@@ -190,11 +197,12 @@ def _decoupled_sequences(name: str, config: mc.ModelConfig) -> tuple[SequenceInp
                           "instance, by correlation id")
     strategy = sb.oldest if sb.WhichOneof("strategy_choice") == "oldest" else sb.direct
     unused = [f"sequence_batching.{f.name}" for f, _ in sb.ListFields()
-              if f.name not in ("control_input", "direct", "oldest")]
+              if f.name not in ("control_input", "direct", "oldest", "max_sequence_idle_microseconds")]
     unused += [f"sequence_batching.oldest.{f.name}" for f, _ in sb.oldest.ListFields() if f.name != "max_queue_delay_microseconds"]
     if unused:
         log.warning("model '%s': a decoupled sequence model's requests run on their sequence's instance, one per "
-                    "sequence per execute; %s does not apply to it", name, ", ".join(unused))
+                    "sequence per execute, with no limit on live sequences; %s does not apply to it", name,
+                    ", ".join(unused))
     return sequence, StreamBatching(max(config.max_batch_size, 0), strategy.max_queue_delay_microseconds * 1000)
 
 

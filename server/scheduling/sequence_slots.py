@@ -42,8 +42,13 @@ class SequenceSlots:
             live.last_ns = now
         return live
 
-    def end(self, cid: Hashable) -> None:
-        self._live.pop(cid, None)
+    def end(self, cid: Hashable, live: LiveSequence | None = None) -> bool:
+        """End sequence `cid`; given `live`, only if that is still the sequence live under the id (not one a
+        START has begun since). Whether one ended."""
+        if cid not in self._live or (live is not None and self._live[cid] is not live):
+            return False
+        del self._live[cid]
+        return True
 
     def expire(self, now: int, busy: set) -> list[Hashable]:
         """Release sequences idle for longer than the limit, except those with a request in flight."""

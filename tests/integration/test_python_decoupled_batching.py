@@ -185,16 +185,18 @@ def test_a_higher_priority_request_runs_before_those_waiting_at_lower_levels(ser
     assert seen.first()["Y"] == [[4, 3, 1, 2]]  # level 1 first, then level 2 in arrival order
 
 
-def sequence_stream(server: RunningServer, cid: int | None, count: int) -> list:
-    """`count` requests of sequence `cid` sent at once on one ModelStreamInfer stream (START on the first, END
-    on the last; no sequence parameters when cid is None); their responses, in order."""
+def sequence_stream(server: RunningServer, cid: int | None, count: int, model: str = "tseq_stream",
+                    start: bool = True, end: bool = True) -> list:
+    """`count` requests of sequence `cid` sent at once on one ModelStreamInfer stream (START on the first,
+    END on the last, unless told not to; no sequence parameters when cid is None); their responses (an
+    output row or an error message), in order."""
     requests = []
     for i in range(count):
-        request = kserve.request("tseq_stream", {"IN": np.array([[i]], np.int32)})
+        request = kserve.request(model, {"IN": np.array([[i]], np.int32)})
         if cid is not None:
             request.parameters["sequence_id"].int64_param = cid
-            request.parameters["sequence_start"].bool_param = i == 0
-            request.parameters["sequence_end"].bool_param = i == count - 1
+            request.parameters["sequence_start"].bool_param = start and i == 0
+            request.parameters["sequence_end"].bool_param = end and i == count - 1
         requests.append(request)
     answers = []
     for response in kserve.stub(server.channel).ModelStreamInfer(iter(requests), timeout=120):
@@ -222,3 +224,24 @@ def test_a_stateful_decoupled_model_gets_control_inputs_and_each_sequence_stays_
         assert all(1 <= a[6] <= 2 for a in answers)  # never more than max_batch_size
     missing = sequence_stream(server, None, 1)
     assert "must specify a non-zero or non-empty correlation ID" in missing[0]
+
+
+def test_a_stateful_decoupled_model_refuses_a_sequence_that_is_not_live_and_releases_an_idle_one(served):
+    """As Triton's sequence batcher: a request of a sequence never started, or one sent after its END, is
+    refused (INVALID_ARGUMENT, on the stream) without reaching the model; a sequence idle past
+    max_sequence_idle_microseconds (200 ms) is released, and must START again."""
+    server, _, _, _ = served
+    never = sequence_stream(server, 31, 1, "tseq_idle", start=False)
+    assert "must specify the START flag" in never[0] and "31" in never[0]
+    # START, -, END on one stream, then a late-comer after the END: refused, the three served in order
+    answers = sequence_stream(server, 32, 3, "tseq_idle")
+    assert [a[:2] for a in answers] == [[1, 0], [0, 0], [0, 1]]
+    late = sequence_stream(server, 32, 1, "tseq_idle", start=False, end=False)
+    assert "must specify the START flag" in late[0]
+    # left open (no END; both requests sent at once, so it is never idle between them); then it idles and is
+    # released
+    assert [a[:2] for a in sequence_stream(server, 33, 2, "tseq_idle", end=False)] == [[1, 0], [0, 0]]
+    wait_for(lambda: "sequence 33 released after 0.200 s idle" in server.output, 60, "the idle release's log line")
+    released = sequence_stream(server, 33, 1, "tseq_idle", start=False)
+    assert "must specify the START flag" in released[0]
+    assert sequence_stream(server, 33, 1, "tseq_idle")[0][:2] == [1, 1]  # started again: served
