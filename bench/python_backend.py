@@ -10,6 +10,8 @@ Two measurements, one run, one closed-loop load generator (clients/loadgen.py, K
    given checkout, e.g. main before this change, serving the `class Model` version): the process
    boundary's cost; with --triton, Triton 2.51's own Python backend (the tritonserver nvidia-pytriton
    bundles, from bench/peers.py's venv) serving the same `TritonPythonModel`.
+   The floor (bench/floor_server.py, a bare grpc.aio handler answering a fixed output) at the same
+   concurrencies: the most any Python gRPC server answers on this machine, Ferry included.
 2. A light model (8 callers: Ferry's ONNX `simple`, and the Python add_sub on every server) alone, then
    while a Python model that spins ~200 ms in pure Python per call is kept busy by 2 callers of its
    own: the share of its requests/s it keeps and its p99. Ferry's default (FERRY_PROCESS_NICE `auto`)
@@ -68,6 +70,7 @@ output: [{name: OUTPUT0, data_type: TYPE_FP32, dims: [4]}, {name: OUTPUT1, data_
 """
 # The same Triton model with requests batched into one execute (each request still answered alone).
 BATCHED_CONFIG = ADD_CONFIG.replace("max_batch_size: 0", "max_batch_size: 64") + "dynamic_batching: {}\n"
+FLOOR = "floor (bare grpc.aio handler)"
 SPIN = '''
 import time
 
@@ -208,6 +211,15 @@ def spin_row(label: str, address: str, light_model: str, duration_s: float, spin
     return row
 
 
+def floor_note(add: list[dict]) -> str:
+    """Each system's add_sub requests/s as a share of the floor's at the same concurrency: a Python front door
+    cannot pass 1.0, so against Triton's C++ one the floor says what is reachable on this machine at all."""
+    floor = {r["concurrency"]: r["req/s"] for r in add if r["server"] == FLOOR}
+    lines = [f"- {r['server']}, {r['model']} at {r['concurrency']}: {r['req/s'] / floor[r['concurrency']]:.2f} of the "
+             "floor's requests/s" for r in add if r["server"] != FLOOR and r["concurrency"] in floor and floor[r["concurrency"]]]
+    return "\n\n" + "\n".join(lines) if lines else ""
+
+
 def serve(checkout: Path, repo: Path):
     """`ferry serve` from `checkout` (this one, or one from before the change)."""
     proc = subprocess.Popen(common.ferry_command(repo), cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -262,6 +274,11 @@ def main() -> None:
                                              max(args.duration, 5.0), "spin_pinned"))
             finally:
                 stop(proc)
+        proc, address = common.start_server([sys.executable, "-m", "bench.floor_server", "0"])
+        try:  # the bare grpc.aio handler: what any Python gRPC server can answer here, model or not
+            add += add_rows(FLOOR, address, ["add_triton"], concurrencies, args.duration)
+        finally:
+            stop(proc)
         if args.triton:
             build_triton(Path(tmp) / "triton")
             proc, address = start_triton(Path(tmp) / "triton")
@@ -272,8 +289,10 @@ def main() -> None:
             finally:
                 stop(proc)
     body = ("add_sub (FP32 [4], one instance; add_batched: max_batch_size 64 with dynamic batching, requests still "
-            "answered one by one), closed loop:\n\n"
+            "answered one by one), closed loop; the floor is bench/floor_server.py, a bare grpc.aio handler that "
+            "answers the same requests with a fixed output (no model, no scheduling):\n\n"
             + common.table(add, ["server", "model", "concurrency", "req/s", "p99 ms", "errors"])
+            + floor_note(add)
             + "\n\nA light ONNX model (8 callers) alone and beside a Python model spinning ~200 ms per call (2 callers):\n\n"
             + common.table(spin, ["server", "light model", "alone req/s", "alone p99 ms", "beside req/s", "beside p99 ms", "kept", "p99 x"])
             + ("" if args.triton else "\n\nTriton's Python backend: not measured in this run (--triton).")
