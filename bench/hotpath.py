@@ -1,7 +1,7 @@
-"""Server CPU per request on the light model: Ferry against the bare grpc.aio handler, same run.
+"""Server CPU per request on the light model (or a Python model): Ferry against the bare grpc.aio handler, same run.
 
     python -m bench.hotpath [--requests 6000] [--rounds 5] [--concurrency 64] [--window-us 1000]
-                            [--max-batch 128] [--baseline COMMIT] [--hop] [--adaptive-ms 50] [--profile 20]
+                            [--max-batch 128] [--baseline COMMIT] [--hop] [--adaptive-ms 50] [--python] [--profile 20]
                             [--no-record]
 
 On an overhead-bound model Ferry's throughput is set by the CPU its event loop spends per request, so
@@ -30,6 +30,10 @@ server pays, and how much is Ferry's own code.
 `--adaptive-ms T`: a third server, Ferry behind the adaptive window (latency target T ms) instead of the
 fixed one, in the same rounds (and, with --profile, profiled too): what the adaptive window costs. With
 --baseline, the baseline commit serves the adaptive window too.
+
+`--python`: NVIDIA's add_sub (a Triton-API Python model, max_batch_size 0, one instance, run in a model
+process of its own) instead of the light MLP: what a Python model's request costs the loop, the model
+process's round trip included (its CPU is counted in "whole process").
 
 `--profile N`: afterwards, serve Ferry under cProfile (main thread: the event loop), drive the same
 load once, and print the N functions with the most own time, per request.
@@ -61,10 +65,16 @@ FERRIES = (FERRY, BASELINE, ADAPTIVE, ADAPTIVE_BASELINE)
 MODEL = "light"
 
 
-def build(root: Path, window_us: int, max_batch: int, target_ms: int = 0) -> Path:
+def build(root: Path, window_us: int, max_batch: int, target_ms: int = 0, python: bool = False) -> Path:
     """The light MLP (bench/models.py) behind a fixed batching window (or, with `target_ms`, the adaptive
-    window holding that latency target), one instance, as bench/peers.py serves it."""
+    window holding that latency target), one instance, as bench/peers.py serves it; with `python`,
+    NVIDIA's add_sub as a Triton-API Python model instead."""
     repo = root / ("repo" if not target_ms else "repo-adaptive")
+    if python:
+        from bench import python_backend
+
+        python_backend.write(repo, MODEL, python_backend.ADD_TRITON, python_backend.ADD_CONFIG)
+        return repo
     models.light_mlp(repo / MODEL / "1" / "model.onnx")
     window = f"latency_target_ms: {target_ms}" if target_ms else f"max_queue_delay_microseconds: {window_us}"
     (repo / MODEL / "config.yaml").write_text(
@@ -73,18 +83,36 @@ def build(root: Path, window_us: int, max_batch: int, target_ms: int = 0) -> Pat
     return repo
 
 
-def payloads(count: int = 16) -> list[bytes]:
+def payloads(count: int = 16, python: bool = False) -> list[bytes]:
     rng = np.random.default_rng(0)
+    if python:
+        return [common.infer_payload(MODEL, {"INPUT0": rng.standard_normal(4).astype(np.float32),
+                                             "INPUT1": rng.standard_normal(4).astype(np.float32)}) for _ in range(count)]
     return [common.infer_payload(MODEL, {"x": rng.standard_normal((1, 256)).astype(np.float32)}) for _ in range(count)]
 
 
 def cpu_ns(pid: int) -> tuple[int, int]:
-    """(whole process, main thread) CPU time so far, in ns."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+    """(whole process and the processes it started, main thread) CPU time so far, in ns. Children count:
+    a Python model's process works for the server's requests."""
+    ticks = sum(_ticks(p) for p in [pid, *_children(pid)])
     process = ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
     main = int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0])
     return process, main
+
+
+def _ticks(pid: int) -> int:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # gone since it was listed
+        return 0
+    return int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of proc(5))
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
 
 
 def counts(address: str) -> tuple[int, int]:
@@ -130,11 +158,14 @@ def measure(servers: dict, load: list[bytes], args: argparse.Namespace) -> dict[
 
 
 def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
-    lines = [f"Light MLP (bench/models.py), batch-1 requests, closed loop at concurrency {args.concurrency}, "
-             f"{args.requests} requests per run, {args.rounds} interleaved rounds; Ferry: fixed "
-             f"{args.window_us / 1000:g} ms window" + (f" (Ferry adaptive: latency target {args.adaptive_ms} ms)" if args.adaptive_ms else "")
-             + f", max batch {args.max_batch}, 1 instance. Server CPU per served request "
-             "(median over rounds, min-max):", "",
+    model = ("NVIDIA's add_sub as a Triton-API Python model (max_batch_size 0, one model process; whole process "
+             "includes it)" if args.python else
+             f"Light MLP (bench/models.py); Ferry: fixed {args.window_us / 1000:g} ms window"
+             + (f" (Ferry adaptive: latency target {args.adaptive_ms} ms)" if args.adaptive_ms else "")
+             + f", max batch {args.max_batch}")
+    lines = [f"{model}, batch-1 requests, closed loop at concurrency {args.concurrency}, "
+             f"{args.requests} requests per run, {args.rounds} interleaved rounds, 1 instance. Server CPU per "
+             "served request (median over rounds, min-max):", "",
              "| server | event loop (main thread) us/request | whole process us/request | mean batch | req/s |",
              "|---|---|---|---|---|"]
     for name, found in runs.items():
@@ -249,12 +280,16 @@ def main() -> None:
                         help="also run the floor behind a batching hop (bench/floor_server.py --batched)")
     parser.add_argument("--adaptive-ms", type=int, default=0, metavar="TARGET",
                         help="also serve Ferry behind the adaptive window with this latency target (and profile it too)")
+    parser.add_argument("--python", action="store_true", help="NVIDIA's add_sub as a Triton-API Python model instead of "
+                        "the light MLP (not with --adaptive-ms)")
     parser.add_argument("--profile", type=int, default=0, help="then profile Ferry's loop and print this many functions")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
-    load = payloads()
+    if args.python and args.adaptive_ms:
+        parser.error("--python serves add_sub as NVIDIA ships it (no batching): no adaptive window to compare")
+    load = payloads(python=args.python)
     with tempfile.TemporaryDirectory() as tmp:
-        repo = build(Path(tmp), args.window_us, args.max_batch)
+        repo = build(Path(tmp), args.window_us, args.max_batch, python=args.python)
         report = measure_all(repo, load, args, Path(tmp)) if args.rounds else ""
         if args.profile:
             print(f"{FERRY}: " + profile(repo, load, args, Path(tmp)), flush=True)
