@@ -140,8 +140,10 @@ class DecoupledRunner(RunnerBase):
             if trace is not None:
                 trace.mark(COMPUTE_END)
         except BaseException as exc:  # a caller that leaves closes the stream: GeneratorExit or CancelledError
-            # the model's own errors are BACKEND; a full queue REJECTED
-            refused = isinstance(exc, (QueueFullError, DeadlineExceededError))
+            # the model's own errors are BACKEND; a full queue REJECTED; a sequence that ended while the request
+            # waited (it never ran) OTHER
+            refused = isinstance(exc, (QueueFullError, DeadlineExceededError)) or (isinstance(exc, InvalidInputError)
+                                                                                   and not ran)
             failure = "BACKEND" if isinstance(exc, FerryError) and not refused else failure_reason(exc)
             raise
         finally:

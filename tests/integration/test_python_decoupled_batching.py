@@ -238,6 +238,28 @@ def test_a_stateful_decoupled_model_refuses_a_sequence_that_is_not_live_and_rele
     assert [a[:2] for a in answers] == [[1, 0], [0, 0], [0, 1]]
     late = sequence_stream(server, 32, 1, "tseq_idle", start=False, end=False)
     assert "must specify the START flag" in late[0]
+    # a late-comer queued behind the END on the same stream: refused once the END is taken to run, counted as
+    # a failure that is not the model's
+    other = server.metric("nv_inference_request_failure", model="tseq_idle", reason="OTHER") or 0
+    requests = []
+    for i, (start, end) in enumerate(((True, False), (False, True), (False, False))):
+        request = kserve.request("tseq_idle", {"IN": np.array([[i]], np.int32)})
+        request.parameters["sequence_id"].int64_param = 34
+        request.parameters["sequence_start"].bool_param = start
+        request.parameters["sequence_end"].bool_param = end
+        requests.append(request)
+    answers = []
+    for response in kserve.stub(server.channel).ModelStreamInfer(iter(requests), timeout=120):
+        answers.append(response.error_message or kserve.outputs(response.infer_response)["OUT"][0].tolist())
+        if len(answers) == 3:
+            break
+    # (on the stream in the order they end: the refusal comes while the END still runs)
+    errors = [a for a in answers if isinstance(a, str)]
+    assert sorted(a[:2] for a in answers if not isinstance(a, str)) == [[0, 1], [1, 0]]
+    assert len(errors) == 1 and "must specify the START flag" in errors[0]
+    wait_for(lambda: server.metric("nv_inference_request_failure", model="tseq_idle", reason="OTHER") == other + 1, 60,
+             "the late-comer counted as a failure of reason OTHER")
+    assert not server.metric("nv_inference_request_failure", model="tseq_idle", reason="BACKEND")
     # left open (no END; both requests sent at once, so it is never idle between them); then it idles and is
     # released
     assert [a[:2] for a in sequence_stream(server, 33, 2, "tseq_idle", end=False)] == [[1, 0], [0, 0]]
