@@ -18,6 +18,7 @@ from typing import Protocol
 from server.errors import ModelUnavailableError, QueueFullError
 from server.observability.metrics import ModelStats
 from server.scheduling.budget import ByteBudget
+from server.scheduling.sequence_slots import SequenceSlots
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,22 @@ class RunnerBase:
 
     def _backends(self) -> list:
         return []
+
+    def _release_idle(self, slots: SequenceSlots, busy: set) -> list:
+        """A stateful model's sequences idle past its limit (none with a request in flight), released and
+        logged; their ids."""
+        released = slots.expire(time.monotonic_ns(), busy)
+        for cid in released:
+            log.info("model '%s': sequence %r released after %.3f s idle", self.name, cid, slots.idle_ns / 1e9)
+        return released
+
+    async def _sleep(self, wake_ns: int | None) -> None:
+        """Until `_wake` is set or, when given, the monotonic time `wake_ns` comes."""
+        timeout = None if wake_ns is None else max(0.0, (wake_ns - time.monotonic_ns()) / 1e9)
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
 
     async def _loop(self) -> None:
         raise NotImplementedError

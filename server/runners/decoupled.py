@@ -35,7 +35,6 @@ import asyncio
 import collections
 import functools
 import itertools
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +43,6 @@ from typing import AsyncIterator
 import numpy as np
 
 from server.backends.base import STREAM_END, Backend
-from server.defaults import DEFAULT_SEQUENCE_IDLE_US
 from server.errors import (BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError,
                            QueueFullError)
 from server.observability.metrics import ModelStats, failure_reason
@@ -56,8 +54,6 @@ from server.scheduling.budget import ByteBudget
 from server.scheduling.queue import REJECT, QueuePolicy, RequestQueue
 from server.scheduling.sequence_slots import SequenceSlots
 from server.tensors.signature import Signature
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,9 +98,7 @@ class DecoupledRunner(RunnerBase):
         self.iterative = iterative
         self.batching = batching
         self.sequence = sequence  # a stateful model's control inputs (sequence_batching): requests need a sequence
-        if sequence is not None and slots is None:
-            slots = SequenceSlots(0, DEFAULT_SEQUENCE_IDLE_US * 1000)
-        self.slots = slots  # a stateful model's live sequences (no limit on how many)
+        self.slots = slots  # a stateful model's live sequences (given with `sequence`; no limit on how many)
         self._bound: dict[object, int] = {}  # a live sequence's instance: its requests run there, one at a time
         self._pending: collections.Counter = collections.Counter()  # per live sequence: its requests not yet over
         self._ids = itertools.count(1)  # correlation ids of iterative sequences the client did not name
@@ -427,18 +421,10 @@ class DecoupledRunner(RunnerBase):
         """Release idle sequences on time; wait for the close, then for the streams still running."""
         while self._accepting or self._streams:
             self._wake.clear()
-            timeout = None
             if self.slots is not None:
-                for cid in self.slots.expire(time.monotonic_ns(), set(self._pending)):
+                for cid in self._release_idle(self.slots, set(self._pending)):
                     self._bound.pop(cid, None)
-                    log.info("model '%s': sequence %r released after %.3f s idle", self.name, cid,
-                             self.slots.idle_ns / 1e9)
-                wake_ns = self.slots.next_event_ns()
-                timeout = None if wake_ns is None else max(0.0, (wake_ns - time.monotonic_ns()) / 1e9)
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            await self._sleep(self.slots.next_event_ns() if self.slots is not None else None)
 
     def _abandon_all(self, error: ModelUnavailableError) -> None:
         """Streams still running end when their generators do; their callers see the stream end."""

@@ -187,16 +187,10 @@ class SequenceRunner(RunnerBase):
     async def _loop(self) -> None:
         """Release idle sequences on time; end when closed and the inner runner has drained."""
         while self._accepting:
-            for cid in self.slots.expire(time.monotonic_ns(), set(self._busy)):
-                log.info("model '%s': sequence %r released after %.3f s idle", self.name, cid, self.slots.idle_ns / 1e9)
+            self._release_idle(self.slots, set(self._busy))
             self._grant()
             self._wake.clear()
-            wake_ns = self.slots.next_event_ns()
-            timeout = None if wake_ns is None else max(0.0, (wake_ns - time.monotonic_ns()) / 1e9)
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
+            await self._sleep(self.slots.next_event_ns())
 
     async def close(self, grace_s: float) -> None:
         self._accepting = False
