@@ -16,7 +16,8 @@ hands a decoupled model's execute every request waiting, each with its own respo
 - tseq_stream: a decoupled stateful model (sequence_batching with START, END, READY and CORRID control
   inputs), two instances, max_batch_size 2. It counts each sequence's requests in its instance and
   answers each request once: the control values it got, that count, its process id and how many
-  requests its execute got. tseq_idle: the same, released after 200 ms without a request. An execute sleeps 20 ms so a sequence's requests usually pile up behind each
+  requests its execute got. tseq_idle: the same with no idle limit set (Triton's default: released after
+  one second without a request). An execute sleeps 20 ms so a sequence's requests usually pile up behind each
   other (what would expose a sequence spread over instances); the test's assertions hold whatever the timing.
 """
 
@@ -100,8 +101,7 @@ input [{ name: "IN", data_type: TYPE_INT32, dims: [ 1 ] }]
 output [{ name: "OUT", data_type: TYPE_INT64, dims: [ 7 ] }]
 model_transaction_policy { decoupled: true }
 instance_group [{ count: 2, kind: KIND_CPU }]
-sequence_batching {
-  max_sequence_idle_microseconds: %d
+sequence_batching {%s
   control_input [{ name: "START", control [{ kind: CONTROL_SEQUENCE_START, int32_false_true: [0, 1] }] },
                  { name: "END", control [{ kind: CONTROL_SEQUENCE_END, int32_false_true: [0, 1] }] },
                  { name: "READY", control [{ kind: CONTROL_SEQUENCE_READY, int32_false_true: [0, 1] }] },
@@ -122,7 +122,7 @@ def build(repo: Path, gate: Path, entered: Path) -> None:
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(BATCHED)
         (repo / name / "config.pbtxt").write_text(BATCHED_CONFIG % (name, rows, delay_us, queue, gate_file, entered_file))
-    for name, idle_us in (("tseq_stream", 600_000_000), ("tseq_idle", 200_000)):
+    for name, idle in (("tseq_stream", "\n  max_sequence_idle_microseconds: 600000000"), ("tseq_idle", "")):
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "1" / "model.py").write_text(SEQUENCE)
-        (repo / name / "config.pbtxt").write_text(SEQUENCE_CONFIG % (name, idle_us))
+        (repo / name / "config.pbtxt").write_text(SEQUENCE_CONFIG % (name, idle))

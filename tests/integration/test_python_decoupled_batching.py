@@ -229,7 +229,7 @@ def test_a_stateful_decoupled_model_gets_control_inputs_and_each_sequence_stays_
 def test_a_stateful_decoupled_model_refuses_a_sequence_that_is_not_live_and_releases_an_idle_one(served):
     """As Triton's sequence batcher: a request of a sequence never started, or one sent after its END, is
     refused (INVALID_ARGUMENT, on the stream) without reaching the model; a sequence idle past
-    max_sequence_idle_microseconds (200 ms) is released, and must START again."""
+    max_sequence_idle_microseconds (unset: Triton's one second) is released, and must START again."""
     server, _, _, _ = served
     never = sequence_stream(server, 31, 1, "tseq_idle", start=False)
     assert "must specify the START flag" in never[0] and "31" in never[0]
@@ -263,7 +263,7 @@ def test_a_stateful_decoupled_model_refuses_a_sequence_that_is_not_live_and_rele
     # left open (no END; both requests sent at once, so it is never idle between them); then it idles and is
     # released
     assert [a[:2] for a in sequence_stream(server, 33, 2, "tseq_idle", end=False)] == [[1, 0], [0, 0]]
-    wait_for(lambda: "sequence 33 released after 0.200 s idle" in server.output, 60, "the idle release's log line")
+    wait_for(lambda: "sequence 33 released after 1.000 s idle" in server.output, 60, "the idle release's log line")
     released = sequence_stream(server, 33, 1, "tseq_idle", start=False)
     assert "must specify the START flag" in released[0]
     assert sequence_stream(server, 33, 1, "tseq_idle")[0][:2] == [1, 1]  # started again: served
