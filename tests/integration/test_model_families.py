@@ -17,8 +17,13 @@ import pytest
 
 pytest.importorskip("transformers", reason="transformers builds the reference models (test extra)")
 
+import torch
+
 from protos import generate_pb2 as gen
 from protos import generate_pb2_grpc as gen_grpc
+from protos import grpc_service_pb2 as pb
+from protos import grpc_service_pb2_grpc as pb_grpc
+from server.backends.llm import cpu_decode
 from tests import llm_builders
 from tests.conftest import RunningServer, until_preempted
 
@@ -88,6 +93,10 @@ def test_concurrent_streams_match_transformers_greedy(env, model):
     for (prompt, n), got in zip(cases, run_concurrently(server, model, cases)):
         assert got == reference(repo, model, prompt, n)
     server.wait_for_metric("ferry_kv_blocks_used", 0, model=model)
+    # the decodes above ran on the CPU kernel wherever it builds (cpu_decode.py), else on gather + SDPA
+    config = pb_grpc.GRPCInferenceServiceStub(server.channel).ModelConfig(pb.ModelConfigRequest(name=model)).config
+    built = cpu_decode.load(torch.device("cpu"), torch.float32, 1, 1) is not None
+    assert config.parameters["attention"].string_value.startswith("decodes in place" if built else "gather + SDPA")
 
 
 @pytest.mark.parametrize("model", list(NO_WINDOW))

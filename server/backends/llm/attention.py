@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from server.backends.llm import shared_prefix
+from server.backends.llm.cpu_decode import DecodeStep
 from server.backends.llm.paged_kernel import VarlenStep
 from server.backends.llm.shared_prefix import SharedPrefix
 
@@ -64,6 +65,7 @@ class StepMetadata:
     groups: list[AttentionGroup]
     varlen: VarlenStep | None = None  # set: the paged flash kernel reads the cache instead (paged_kernel.py)
     prefixes: list[SharedPrefix] = field(default_factory=list)  # blocks many sequences share (shared_prefix.py)
+    decodes: DecodeStep | None = None  # set: the decodes are read in place by the CPU kernel (cpu_decode.py), not grouped
 
 
 PADDING = 1.25  # a group's padded query-key pairs may be this many times its real ones ...
@@ -170,6 +172,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return _cascade(q, k_cache, v_cache, meta)
     out = torch.empty_like(q)
     _, heads, dim = q.shape
+    if meta.decodes is not None:
+        meta.decodes.attend(q, k_cache, v_cache, sliding, out)
     for group in meta.groups:
         num, q_len = group.token_index.shape
         qg = q.index_select(0, group.flat_index).view(num, q_len, heads, dim).transpose(1, 2)  # [S, H, Q, D]

@@ -15,7 +15,7 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm import linear, paged_kernel, shared_prefix
+from server.backends.llm import cpu_decode, linear, paged_kernel, shared_prefix
 from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
@@ -105,6 +105,9 @@ class LLMBackend(Backend):
         a = self.args
         self.paged_kernel = paged_kernel.probe(self.torch_device, self.dtype, self.settings.block_size, a.num_heads,
                                                a.num_kv_heads, a.head_dim)
+        # On a CPU, decodes read the paged cache in place (cpu_decode.py) where its kernel builds here.
+        self.decode_kernel = None if self.paged_kernel else cpu_decode.load(self.torch_device, self.dtype,
+                                                                            a.num_kv_heads, a.num_heads)
         self.generator = torch.Generator(device=self.torch_device)
         self.generator.manual_seed(0)
         log.info("model '%s': %s on %s (%s), %d KV blocks of %d tokens%s", self.config.name, self.args.model_type,
@@ -200,9 +203,14 @@ class LLMBackend(Backend):
                 clusters, skip = shared_prefix.find(decode + verify + prefill, bs)
                 meta.prefixes = shared_prefix.build(clusters, bs, device)
                 self.shared_prefix_reads += sum(c.saved for c in clusters)
+            kinds = (decode, verify, prefill)
+            if self.decode_kernel is not None and decode and not meta.prefixes:  # (a shared prefix: read once, above)
+                meta.decodes = self.decode_kernel.build_step([e[0] for e in decode], [e[2] for e in decode],
+                                                             [e[3] for e in decode], bs, window)
+                kinds = (verify, prefill)
             meta.groups = [build_group(*zip(*group), bs, device, window, full, self.dtype,
                                        [skip.get(e[0], 0) for e in group] if skip else None)
-                           for kind in (decode, verify, prefill) for group in split_by_length(kind, skip)]
+                           for kind in kinds for group in split_by_length(kind, skip)]
         with torch.inference_mode():
             logits = self.model(torch.tensor(ids, device=device), torch.tensor(positions, dtype=torch.long, device=device),
                                 self.caches, meta, torch.tensor(rows, dtype=torch.long, device=device))
@@ -240,5 +248,6 @@ class LLMBackend(Backend):
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "num_kv_blocks": str(self.num_kv_blocks), "max_model_len": str(self.max_model_len),
-                "attention": "paged flash (varlen_attn)" if self.paged_kernel else "gather + SDPA",
+                "attention": "paged flash (varlen_attn)" if self.paged_kernel else
+                "decodes in place (CPU kernel), prompts gather + SDPA" if self.decode_kernel else "gather + SDPA",
                 "linear": "oneDNN" if self.onednn_linear else "torch"}
