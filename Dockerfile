@@ -10,9 +10,11 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/ferry/bin:$PATH
 
 # The distribution's python3 tracks the base image's release; pinning its patch version breaks rebuilds.
+# gcc: on a machine without a GPU, generation models build their CPU decode attention kernel at load
+# (server/backends/llm/cpu_decode.py); without it they fall back to a slower path.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \
     && python3 -m venv /opt/ferry
 

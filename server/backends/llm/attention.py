@@ -4,7 +4,8 @@ K/V live in one cache per layer, shaped [num_slots, kv_heads, head_dim] with slo
 + offset. A step writes its new K/V at `slot_mapping`, then each query attends over its sequence's
 slots. Sequences are attended in two padded groups, decodes (one query each) and prompt chunks, so
 one long prompt never pads hundreds of decodes to its length; within a group it is one batched
-scaled_dot_product_attention call, no Python loop over sequences.
+scaled_dot_product_attention call, no Python loop over sequences. (On a CPU where cpu_decode.py's
+kernel builds, decodes skip the groups and read the cache in place: `StepMetadata.decodes`.)
 
 Sliding-window layers (Mistral, Qwen2/Qwen3 with `use_sliding_window`) let the query at position p
 see only keys p - window < k <= p, as transformers does. The window is a second mask over the same

@@ -9,7 +9,7 @@ The step's tokens already are packed that way: each plan entry is one run of one
 
 Whether the kernel runs here (a CUDA device, a half dtype, a block size and head size the build
 accepts) is found once at load by `probe`, which runs it on a tiny cache; everywhere else the engine
-uses attention.py's gather + SDPA, which is also the measured winner on a CPU (docs/architecture.md).
+uses attention.py's gather + SDPA (on a CPU, decodes read the cache in place through cpu_decode.py).
 """
 
 from __future__ import annotations
