@@ -161,11 +161,12 @@ class DecodeKernel:
                sliding: bool) -> torch.Tensor:
         """q: [N, H, D] contiguous float32, one query per decoding sequence; caches [slots, KVH, D]."""
         n, heads, dim = q.shape
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (q, k_cache, v_cache)):
+            raise ValueError("the CPU decode kernel reads contiguous float32 queries and caches")  # raw pointers below
         out = torch.empty_like(q)
         first = step.first_window if sliding and step.first_window is not None else step.first_full
         self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), step.table.ctypes.data, step.table.shape[1],
-                 step.ctx.ctypes.data, first.ctypes.data, n, heads, k_cache.shape[1], dim,
-                 step.block_size,
+                 step.ctx.ctypes.data, first.ctypes.data, n, heads, k_cache.shape[1], dim, step.block_size,
                  dim ** -0.5, out.data_ptr(), torch.get_num_threads(), step.longest)
         return out
 
