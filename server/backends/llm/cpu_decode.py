@@ -16,7 +16,8 @@ is padded or copied.
 It is plain C (no PyTorch headers, so it builds in about a second) compiled with the machine's C
 compiler for the machine it runs on (`-march=native`), cached by the source, the flags and the CPU's
 feature flags, called through ctypes (which lets go of the GIL for the call) with the tensors'
-pointers; OpenMP spreads the (sequence, KV head) pairs over torch's intra-op thread count. Where no
+pointers; OpenMP spreads the sequences over torch's intra-op thread count (and is torch's own libgomp,
+which the process has loaded already: one OpenMP runtime, one pool of threads). Where no
 C compiler is found or the build fails, `load` returns None and the engine keeps gather + SDPA (the
 log and `describe()` say which). `FERRY_CPU_DECODE_KERNEL=0` turns it off (for before/after runs).
 
