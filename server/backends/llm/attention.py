@@ -26,15 +26,18 @@ float biases made once per step: SDPA turns a bool mask into the same bias on ev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from server.backends.llm import shared_prefix
-from server.backends.llm.cpu_decode import DecodeStep
 from server.backends.llm.paged_kernel import VarlenStep
 from server.backends.llm.shared_prefix import SharedPrefix
+
+if TYPE_CHECKING:  # cpu_decode builds its steps' block tables with block_tables() below
+    from server.backends.llm.cpu_decode import DecodeStep
 
 
 @dataclass(slots=True)
@@ -96,6 +99,15 @@ def split_by_length(entries: list[tuple[int, int, int, list[int]]],
     return groups
 
 
+def block_tables(tables: list[list[int]], width: int) -> np.ndarray:
+    """[S, width] int64: each block table cut or padded to `width`, blocks given back behind a window (-1)
+    as 0, never read. One array from padded lists: a tensor or an array copy per sequence cost 10x more."""
+    padding = [0] * width
+    table = np.array([(list(blocks[:width]) + padding)[:width] for blocks in tables], dtype=np.int64)
+    np.maximum(table, 0, out=table)
+    return table
+
+
 def build_group(starts: list[int], lengths: list[int], computed: list[int], tables: list[list[int]],
                 block_size: int, device, window: int | None = None, full: bool = True,
                 dtype: torch.dtype = torch.float32, skip: list[int] | None = None) -> AttentionGroup:
@@ -129,9 +141,7 @@ def build_group(starts: list[int], lengths: list[int], computed: list[int], tabl
     query_valid = q_off < length  # [S, Q]
     token_index = np.where(query_valid, start + q_off, start)
     blocks_max = -(-int(ctx_len.max()) // block_size)
-    padding = [0] * blocks_max  # one array from padded lists: a tensor and a copy per sequence cost 10x more
-    table = np.array([(list(blocks[:blocks_max]) + padding)[:blocks_max] for blocks in tables], dtype=np.int64)
-    np.maximum(table, 0, out=table)  # blocks given back behind a window (-1): no key there is gathered (see `first`)
+    table = block_tables(tables, blocks_max)  # (blocks given back behind a window: no key there is gathered, see `first`)
     key_pos = first + np.arange(c_max)  # [S, C] positions of the gathered keys
     key_valid = key_pos < ctx_len
     key_pos = np.where(key_valid, key_pos, 0)

@@ -43,6 +43,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from server.backends.llm.attention import block_tables
+
 log = logging.getLogger(__name__)
 
 _SOURCE = r"""
@@ -148,10 +150,7 @@ class DecodeKernel:
         """`computed`: tokens each decoding sequence had before this step (its new token is one more)."""
         ctx = np.asarray(computed, dtype=np.int32) + 1
         width = max(len(t) for t in tables)
-        table = np.zeros((len(tables), width), dtype=np.int64)
-        for i, blocks in enumerate(tables):
-            table[i, : len(blocks)] = blocks
-        np.maximum(table, 0, out=table)
+        table = block_tables(tables, width)
         if int(ctx.max()) > width * block_size:
             raise ValueError("a decoding sequence has more keys than its block table holds")
         first_window = np.maximum(ctx - window, 0).astype(np.int32) if window else None
