@@ -19,7 +19,8 @@ Every check prints one line, `PASS|FAIL|SKIP <name>: <figures>`, and the script 
    PyTorch's paged flash kernel (varlen_attn over the cache in place); 24 sequences of mixed lengths
    decode greedily with it and with the gather + SDPA path, the tokens compared (bf16 kernels may part
    on a near-tie: at least 20/24 identical) and the tokens/s of both. On the CPU the kernel is not
-   there: the dry run checks the engine falls back to gather + SDPA and decodes.
+   there: the dry run checks the engine falls back and decodes (its decodes on the in-place CPU decode
+   kernel, server/backends/llm/cpu_decode.py, where a C compiler built it).
 7. front-end processes (bench/frontends.py's sweep, no CUDA needed but the device machine's cores): the
    light MLP served with --frontend-processes 1, 2, 4, 8 (up to half the cores), closed loop at concurrency
    128 from cores/4 load-generator processes, 2 interleaved rounds of 5 s: req/s and the ratio to N=1 for
@@ -236,7 +237,8 @@ def check_paged_kernel(backend, label: str, max_tokens: int, cuda: bool) -> Outc
     rate = {k: sum(len(t) for t in r.tokens.values()) / r.seconds for k, r in runs.items()}
     same = sum(runs[picked].tokens[i] == runs[False].tokens[i] for i in range(len(prompts)))
     ok = (picked and same >= 20) if cuda else (not picked and all(len(t) == max_tokens for t in runs[False].tokens.values()))
-    figures = ", ".join(f"{'paged flash' if k else 'gather + SDPA'} {r:.0f} tokens/s" for k, r in rate.items())
+    other = "CPU decode kernel" if backend.decode_kernel is not None else "gather + SDPA"  # decodes off the flash kernel
+    figures = ", ".join(f"{'paged flash' if k else other} {r:.0f} tokens/s" for k, r in rate.items())
     return Outcome(f"paged attention kernel ({label})", verdict(ok),
                    f"engine picked {backend.describe()['attention']}; {same}/24 sequences decode the same tokens both "
                    f"ways; {figures}")
