@@ -38,12 +38,11 @@ def replay(args, max_step_ms: float, first: int, onset: bool) -> dict:
     now, first_token, last, itl = 0.0, {}, {}, []
     while s.running or s.num_waiting or late:
         plan = s.schedule()
-        decodes = sum(1 for q, n in plan.entries if n == 1 and q.num_computed >= q.prompt_len)
-        cost = args.fixed_ms + args.decode_ms * decodes + args.prompt_ms * (plan.num_tokens - decodes)
+        cost = args.fixed_ms + args.decode_ms * plan.decodes + args.prompt_ms * (plan.num_tokens - plan.decodes)
         now += cost
         sampled = {q.seq_id: 7 for q, n in plan.entries if q.num_computed + n >= q.num_tokens}
         s.postprocess(plan, sampled)
-        s.observe_step(plan.num_tokens, cost)
+        s.observe_step(plan, cost)
         for i in sampled:
             (itl.append(now - last[i]) if i in first_token else first_token.__setitem__(i, now))
             last[i] = now

@@ -14,8 +14,8 @@ MS_PER_TOKEN = 1.0  # a line through 0, so the fit is exact from the first step:
 
 
 def _charged(observe):
-    def observe_fixed(self: StepCost, tokens: int, ms: float) -> None:
-        observe(self, tokens, MS_PER_TOKEN * tokens)
+    def observe_fixed(self: StepCost, decodes: int, prompt_tokens: int, ms: float) -> None:
+        observe(self, decodes, prompt_tokens, MS_PER_TOKEN * (decodes + prompt_tokens))
 
     return observe_fixed
 

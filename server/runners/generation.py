@@ -223,12 +223,13 @@ class GenerationRunner(RunnerBase):
     def _measured(self, outcome: StepOutcome, started_ns: int, timing: slow_steps.StepTiming) -> None:
         """Feed the step-time target what this whole iteration cost (what a decode waited between two
         tokens); a step re-run to isolate a failure is no measure of the normal cost."""
-        tokens, elapsed = outcome.ran.num_tokens, time.monotonic_ns() - started_ns
+        ran = outcome.ran
+        tokens, elapsed = ran.num_tokens, time.monotonic_ns() - started_ns
         self.gen_stats.observe_step(tokens, elapsed)
-        self._slow.check(elapsed, self.scheduler.step_budget.cost.predict(tokens), timing, tokens,
-                         len(outcome.ran.entries))
+        self._slow.check(elapsed, self.scheduler.step_budget.cost.predict(ran.decodes, tokens - ran.decodes), timing,
+                         tokens, len(ran.entries))
         if tokens and not outcome.reruns:
-            self.scheduler.observe_step(tokens, elapsed / 1e6)
+            self.scheduler.observe_step(ran, elapsed / 1e6)
 
     def _fail_alone(self, outcome: StepOutcome) -> None:
         """End the sequences the step raised on by themselves: their blocks go back, their callers get the error."""

@@ -57,6 +57,10 @@ class StepPlan:
 
     entries: list[tuple[Sequence, int]]
     drafts: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> draft tokens (speculative.py)
+    decodes: int = field(init=False)  # entries fed their one pending token (with drafts, if any, beside it)
+
+    def __post_init__(self) -> None:
+        self.decodes = sum(1 for seq, _ in self.entries if seq.pending == 1)  # counted before the step runs
 
     @property
     def num_tokens(self) -> int:
@@ -134,9 +138,9 @@ class ContinuousScheduler:
         if not self.settings.max_step_ms:
             self.step_budget.auto = 0.0
 
-    def observe_step(self, num_tokens: int, step_ms: float) -> None:
-        """The runner's measurement of a step that computed `num_tokens` tokens: feeds the step-time target."""
-        self.step_budget.cost.observe(num_tokens, step_ms)
+    def observe_step(self, plan: StepPlan, step_ms: float) -> None:
+        """The runner's measurement of a step that ran `plan`: feeds the step-time target."""
+        self.step_budget.cost.observe(plan.decodes, plan.num_tokens - plan.decodes, step_ms)
 
     def schedule(self) -> StepPlan:
         budget = self.settings.max_num_batched_tokens

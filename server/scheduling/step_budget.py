@@ -24,94 +24,152 @@ of each step instead of nearly all of a long step, and the burst's last prompt s
 
 Without a target of its own a model gets one sized from its measured step cost (`auto`, the server's
 default): AUTO times the predicted cost of a step of `auto_tokens` decodes (the scheduler passes
-max_num_seqs, a full batch of streams), or of the step's own decodes when there are more. So no step
-lasts more than AUTO times what a full batch of decodes costs on this model and machine, and while
-few streams run, prompts get most of the step. (A fixed number of milliseconds is right for one
+max_num_seqs, a full batch of streams), or of the step's own decodes when there are more, priced on
+the line that charges every token alike (StepCost.alike: it extrapolates to a full batch steadily).
+So no step lasts more than AUTO times what a full batch of decodes costs on this model and machine,
+and while few streams run, prompts get most of the step. (A fixed number of milliseconds is right for one
 model on one machine only: 50 ms is a stall for a small model and a crawl for a large one. A target
 of AUTO times the step's own decodes was replayed too: it bounds a burst's inter-token latency more
 tightly, but with few streams it leaves prompts a sliver of each step, and it raised the time to first
 token p99 of Poisson arrivals by 40%.)
 
-NOTE: the cost model is a line, step_ms = fixed + per_token * tokens, fitted by least squares over
-exponentially decayed past steps (recent steps count most, so it follows load and context growth).
-While every recent step had about the same size the slope cannot be told from the intercept; then
-the whole cost is charged per token (a line through 0), which overestimates the slope and so errs
-towards smaller chunks. One step is counted at most twice its predicted cost, so a lone stall (the
-machine busy elsewhere) does not cut every chunk to the minimum for the next dozen steps; while the
-line goes through 0, a step smaller than the average is predicted at the average step's cost (a line
-through 0 would charge it none of the fixed part and count its honest cost as a stall).
+NOTE: the cost model is step_ms = fixed + per_decode * decodes + per_prompt * prompt_tokens, fitted by
+least squares over exponentially decayed past steps (recent steps count most, so it follows load and
+context growth). Decodes and prompt tokens are priced apart because they cost differently: a decode
+is a row of its own through the step's per-sequence work (its attention over its whole context, its
+sampling), a prompt token shares its sequence's; on the benchmark model a decode costs about twice a
+prompt token, and one price for both had mid-sized steps of mostly decodes run 20-35% over the
+target. Both prices can be told apart only while both counts vary, and not in step with each other;
+otherwise a count that holds still is charged at its last price told apart (the other is fitted
+after it), and before any was told apart every token is charged alike (one line over all tokens).
+While every recent step had about the same size the slope cannot be told from the intercept either;
+then the whole cost is charged per token (a line through 0), which overestimates the slope and so
+errs towards smaller chunks. One step is counted at most twice its predicted cost, so a lone stall
+(the machine busy elsewhere) does not cut every chunk to the minimum for the next dozen steps; while
+the line goes through 0, a step smaller than the average is predicted at the average step's cost (a
+line through 0 would charge it none of the fixed part and count its honest cost as a stall).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 DECAY = 0.9  # weight of the past at each new step: about the last 10-20 steps shape the fit
 STALL = 2.0  # a step counts at most this many times its predicted cost: a real slowdown is still
 # followed within a few steps, a one-off stall moves the fit by a bounded amount
 ONSET = 4  # prompts waiting per decode from which a step is bounded by the token budget only
-AUTO = 2.0  # the automatic target: this many times the cost of a full batch of decodes (chosen on a
-# modelled replay of the issue-33 burst and Poisson loads, docs/architecture.md "Generation step cost")
-_FLAT = 1.0  # tokens^2: a decayed variance of step sizes below this cannot fix a slope
+AUTO = 1.5  # the automatic target: this many times the cost of a full batch of decodes (2 until the
+# prices were told apart; then 1.5 cut the issue-33 burst's inter-token p99 without costing tokens/s:
+# docs/architecture.md "Generation step cost", round 5)
+_FLAT = 1.0  # tokens^2: a decayed variance of a count below this cannot fix its price
+_TOGETHER = 0.98  # squared correlation of the two counts above which they move together: one price for both
+_EPS = 1e-9  # ms: a fixed part this far below 0 is rounding, not a misfit
+
+
+class Line(NamedTuple):
+    fixed: float  # ms a step costs whatever it computes
+    per_decode: float  # ms per sequence fed its one pending token
+    per_prompt: float  # ms per prompt-chunk or draft token
+
+
+_NONE = Line(0.0, 0.0, 0.0)
 
 
 class StepCost:
-    """Online fit of step_ms = fixed_ms + per_token_ms * tokens from measured steps."""
+    """Online fit of step_ms = fixed + per_decode * decodes + per_prompt * prompt_tokens from measured steps."""
 
     def __init__(self, decay: float = DECAY):
         self.decay = decay
-        self._w = self._x = self._y = self._xx = self._xy = 0.0  # decayed sums
+        # decayed sums of 1, d, p, ms, d*d, p*p, d*p, d*ms, p*ms (d: decodes, p: prompt tokens)
+        self._sums = [0.0] * 9
+        self._prices: tuple[float, float] | None = None  # the last (per_decode, per_prompt) told apart
 
     @property
     def fitted(self) -> bool:
-        return self._w > 0
+        return self._sums[0] > 0
 
-    def observe(self, tokens: int, ms: float) -> None:
-        """Fold in one step that computed `tokens` tokens and took `ms` milliseconds."""
-        if tokens <= 0 or not math.isfinite(ms) or ms < 0:
+    def observe(self, decodes: int, prompt_tokens: int, ms: float) -> None:
+        """Fold in one step that fed `decodes` sequences one token and `prompt_tokens` more (prompt
+        chunks, drafts), and took `ms` milliseconds."""
+        if decodes < 0 or prompt_tokens < 0 or decodes + prompt_tokens == 0 or not math.isfinite(ms) or ms < 0:
             return
         if self.fitted:  # a lone stall (another process took the cores) must not shrink chunks for many steps
-            ms = min(ms, STALL * self._expected(tokens))
-        d = self.decay
-        self._w = d * self._w + 1
-        self._x = d * self._x + tokens
-        self._y = d * self._y + ms
-        self._xx = d * self._xx + tokens * tokens
-        self._xy = d * self._xy + tokens * ms
+            ms = min(ms, STALL * self._expected(decodes, prompt_tokens))
+        d, p, k, sums = decodes, prompt_tokens, self.decay, self._sums
+        for i, value in enumerate((1, d, p, ms, d * d, p * p, d * p, d * ms, p * ms)):
+            sums[i] = k * sums[i] + value
+        self.line()  # keeps the prices while they can be told apart
 
-    def _expected(self, tokens: int) -> float:
-        """The most a step of `tokens` can plausibly cost by the fit. A line through 0 (no fixed part
-        could be told apart yet) charges a small step none of the fixed part, which may be most of its
-        cost; so such a step is expected to cost up to what the average step did."""
-        fixed, per_token = self.line()
-        expected = fixed + per_token * tokens
-        return expected if fixed > 0 else max(expected, self._y / self._w)
+    def _expected(self, decodes: int, prompt_tokens: int) -> float:
+        """The most a step can plausibly cost by the fit. A line through 0 (no fixed part could be told
+        apart yet) charges a small step none of the fixed part, which may be most of its cost; so such a
+        step is expected to cost up to what the average step did."""
+        line = self.line()
+        expected = line.fixed + line.per_decode * decodes + line.per_prompt * prompt_tokens
+        return expected if line.fixed > 0 else max(expected, self._sums[3] / self._sums[0])
 
-    def line(self) -> tuple[float, float]:
-        """(fixed_ms, per_token_ms) of the current fit; (0, 0) before any step was seen."""
+    def _moments(self) -> tuple[float, ...]:
+        """Decayed means of d, p, ms; variances of d, p; covariances d-p, d-ms, p-ms."""
+        w, sd, sp, sy, sdd, spp, sdp, sdy, spy = self._sums
+        md, mp, my = sd / w, sp / w, sy / w
+        return (md, mp, my, sdd / w - md * md, spp / w - mp * mp, sdp / w - md * mp, sdy / w - md * my,
+                spy / w - mp * my)
+
+    def line(self) -> Line:
+        """The current fit; all zeros before any step was seen."""
         if not self.fitted:
-            return 0.0, 0.0
-        mx, my = self._x / self._w, self._y / self._w
-        var = self._xx / self._w - mx * mx
-        if var >= _FLAT:
-            slope = (self._xy / self._w - mx * my) / var
-            if slope > 0:
-                fixed = my - slope * mx
-                return (fixed, slope) if fixed >= 0 else (0.0, my / mx)
-        return 0.0, my / mx
+            return _NONE
+        md, mp, my, vd, vp, cdp, cdy, cpy = moments = self._moments()
+        if vd >= _FLAT and vp >= _FLAT and cdp * cdp <= _TOGETHER * vd * vp:  # both prices can be told apart
+            det = vd * vp - cdp * cdp
+            a, b = (cdy * vp - cpy * cdp) / det, (cpy * vd - cdy * cdp) / det
+            if a > 0 and b > 0 and my - a * md - b * mp >= -_EPS:
+                self._prices = (a, b)
+                return Line(max(0.0, my - a * md - b * mp), a, b)
+        if self._prices is not None:  # a count that holds still keeps its last price; the other is fitted
+            a, b = self._prices
+            if vd >= _FLAT > vp:
+                a = (cdy - b * cdp) / vd
+            elif vp >= _FLAT > vd:
+                b = (cpy - a * cdp) / vp
+            fixed = my - a * md - b * mp
+            if a > 0 and b > 0 and fixed >= -_EPS:
+                return Line(max(0.0, fixed), a, b)
+        return self._alike(moments)
 
-    def predict(self, tokens: int) -> float:
-        """The fitted cost of a step of `tokens` tokens (0 before any step was seen)."""
-        fixed, per_token = self.line()
-        return fixed + per_token * tokens
+    def alike(self) -> Line:
+        """The fit with every token priced alike (one line over all of them); all zeros before any step.
+        Steps of many prompt tokens pin its slope down, so it extrapolates steadily to a batch of
+        decodes larger than any seen lately, where the decode price alone, fitted over a few streams,
+        does not (one stream's step is cheaper than the line through two or more: 1 to 5 decodes read
+        ~4 ms a decode on the benchmark model against ~1 from a burst's 20 to 48)."""
+        return self._alike(self._moments()) if self.fitted else _NONE
 
-    def tokens_within(self, ms: float) -> int | None:
-        """The most tokens a step may hold and be predicted to end within `ms`; None: no fit yet."""
-        fixed, per_token = self.line()
-        if per_token <= 0:
+    @staticmethod
+    def _alike(moments: tuple[float, ...]) -> Line:
+        md, mp, my, vd, vp, cdp, cdy, cpy = moments
+        mx, vx, cxy = md + mp, vd + vp + 2 * cdp, cdy + cpy
+        if vx >= _FLAT:
+            slope = cxy / vx
+            if slope > 0 and my - slope * mx >= -_EPS:
+                return Line(max(0.0, my - slope * mx), slope, slope)
+        return Line(0.0, my / mx, my / mx)
+
+    def predict(self, decodes: int, prompt_tokens: int = 0) -> float:
+        """The fitted cost of a step (0 before any step was seen)."""
+        line = self.line()
+        return line.fixed + line.per_decode * decodes + line.per_prompt * prompt_tokens
+
+    def prompt_tokens_within(self, ms: float, decodes: int) -> int | None:
+        """The most prompt tokens a step with `decodes` decodes may add and be predicted to end within
+        `ms` (0 if the decodes alone overrun it); None: no fit yet."""
+        line = self.line()
+        if line.per_prompt <= 0:
             return None
-        return max(0, math.floor((ms - fixed) / per_token + 1e-6))  # not one token less for rounding
+        spare = ms - line.fixed - line.per_decode * decodes
+        return max(0, math.floor(spare / line.per_prompt + 1e-6))  # not one token less for rounding
 
 
 @dataclass(slots=True)
@@ -137,14 +195,17 @@ class StepBudget:
         target = self.target_ms(decoding)
         if target <= 0 or decoding == 0 or (self.onset and decoding * self.onset <= starting):
             return budget
-        allowed = self.cost.tokens_within(target)
+        allowed = self.cost.prompt_tokens_within(target, decoding)
         if allowed is None:
             return budget
-        return max(0, min(room, max(self.min_prefill_tokens, allowed - decoding)))
+        return max(0, min(room, max(self.min_prefill_tokens, allowed)))
 
     def target_ms(self, decoding: int) -> float:
         """The step-time target of a step with `decoding` decodes: the fixed one, else the automatic one
         (0: none, or no fit yet)."""
         if self.max_step_ms > 0:
             return self.max_step_ms
-        return self.auto * self.cost.predict(max(decoding, self.auto_tokens)) if self.auto > 0 else 0.0
+        if self.auto <= 0:
+            return 0.0
+        line = self.cost.alike()  # extrapolated to a full batch: see StepCost.alike
+        return self.auto * (line.fixed + line.per_decode * max(decoding, self.auto_tokens))

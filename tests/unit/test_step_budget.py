@@ -27,7 +27,7 @@ def step(s: ContinuousScheduler, cost=lambda tokens: 5.0 + 0.5 * tokens):
     plan = s.schedule()
     s.postprocess(plan, {q.seq_id: 7 for q, n in plan.entries if q.num_computed + n == q.num_tokens})
     if plan:
-        s.observe_step(plan.num_tokens, cost(plan.num_tokens))
+        s.observe_step(plan, cost(plan.num_tokens))
     s.pool.check(s.running)
     return plan
 
@@ -35,41 +35,41 @@ def step(s: ContinuousScheduler, cost=lambda tokens: 5.0 + 0.5 * tokens):
 def test_the_fit_recovers_a_line_from_steps_of_different_sizes():
     cost = StepCost()
     for tokens in (10, 200, 40, 90, 3, 400):
-        cost.observe(tokens, 4.0 + 0.25 * tokens)
-    fixed, per_token = cost.line()
+        cost.observe(0, tokens, 4.0 + 0.25 * tokens)
+    fixed, _, per_token = cost.line()
     assert fixed == pytest.approx(4.0) and per_token == pytest.approx(0.25)
-    assert cost.tokens_within(54.0) == 200  # (54 - 4) / 0.25
+    assert cost.prompt_tokens_within(54.0, 0) == 200  # (54 - 4) / 0.25
 
 
 def test_steps_all_of_one_size_charge_everything_per_token_which_errs_towards_smaller_chunks():
     cost = StepCost()
     for _ in range(5):
-        cost.observe(20, 30.0)  # truth could be 10 + 1 * tokens: the slope cannot be seen
-    assert cost.line() == (0.0, pytest.approx(1.5))
-    assert cost.tokens_within(60.0) == 40  # the true line would allow 50: the guess is on the safe side
+        cost.observe(0, 20, 30.0)  # truth could be 10 + 1 * tokens: the slope cannot be seen
+    assert cost.line() == (0.0, pytest.approx(1.5), pytest.approx(1.5))
+    assert cost.prompt_tokens_within(60.0, 0) == 40  # the true line would allow 50: the guess is on the safe side
 
 
 def test_recent_steps_count_most():
     cost = StepCost()
     for tokens in (10, 100) * 20:
-        cost.observe(tokens, 1.0 * tokens)
+        cost.observe(0, tokens, 1.0 * tokens)
     for tokens in (10, 100) * 20:  # the machine got twice as slow
-        cost.observe(tokens, 2.0 * tokens)
-    assert cost.line()[1] == pytest.approx(2.0, rel=0.05)
+        cost.observe(0, tokens, 2.0 * tokens)
+    assert cost.line().per_prompt == pytest.approx(2.0, rel=0.05)
 
 
 def test_nonsense_measurements_are_ignored():
     cost = StepCost()
     for tokens, ms in ((0, 5.0), (10, float("nan")), (10, -1.0), (10, float("inf"))):
-        cost.observe(tokens, ms)
-    assert not cost.fitted and cost.tokens_within(100) is None
+        cost.observe(0, tokens, ms)
+    assert not cost.fitted and cost.prompt_tokens_within(100, 0) is None
 
 
 @pytest.mark.parametrize("decoding, expected", [(0, 512), (10, 120 - 10), (118, 4), (600, 0)])
 def test_prefill_room_is_what_the_target_leaves_after_decodes_at_least_the_minimum(decoding, expected):
     budget = StepBudget(max_step_ms=65.0, min_prefill_tokens=4)
     for tokens in (10, 300):
-        budget.cost.observe(tokens, 5.0 + 0.5 * tokens)  # 65 ms holds 120 tokens
+        budget.cost.observe(0, tokens, 5.0 + 0.5 * tokens)  # 65 ms holds 120 tokens
     # no decode: nothing to protect, max_num_batched_tokens alone; a full step of decodes leaves none
     assert budget.prefill_tokens(decoding, 512) == expected
 
@@ -142,12 +142,12 @@ def test_without_a_target_the_plan_is_what_the_token_budget_alone_gives():
 def test_a_lone_stall_moves_the_fit_a_bounded_amount_while_a_lasting_slowdown_is_followed():
     cost = StepCost()
     for tokens in (10, 100) * 10:
-        cost.observe(tokens, 1.0 * tokens)
-    cost.observe(10, 5000.0)  # 500x its cost once: counted as 2x
-    assert cost.tokens_within(100) >= 50
+        cost.observe(0, tokens, 1.0 * tokens)
+    cost.observe(0, 10, 5000.0)  # 500x its cost once: counted as 2x
+    assert cost.prompt_tokens_within(100, 0) >= 50
     for tokens in (10, 100) * 30:
-        cost.observe(tokens, 3.0 * tokens)  # three times slower for good
-    assert cost.line()[1] == pytest.approx(3.0, rel=0.05)
+        cost.observe(0, tokens, 3.0 * tokens)  # three times slower for good
+    assert cost.line().per_prompt == pytest.approx(3.0, rel=0.05)
 
 
 @pytest.mark.parametrize("decoding, starting, expected", [
@@ -159,7 +159,7 @@ def test_a_step_whose_decodes_are_few_next_to_the_prompts_that_could_start_is_no
         decoding, starting, expected):
     budget = StepBudget(max_step_ms=65.0, min_prefill_tokens=4)
     for tokens in (10, 300):
-        budget.cost.observe(tokens, 5.0 + 0.5 * tokens)  # 65 ms holds 120 tokens
+        budget.cost.observe(0, tokens, 5.0 + 0.5 * tokens)  # 65 ms holds 120 tokens
     assert budget.prefill_tokens(decoding, 512, starting) == expected
 
 
@@ -203,14 +203,68 @@ def test_prompts_beyond_the_free_sequence_slots_do_not_count_towards_an_onset():
 
 def test_a_small_step_after_a_larger_first_one_is_not_mistaken_for_a_stall():
     cost = StepCost()
-    cost.observe(12, 11.0)  # one size seen: a line through 0, 0.92 ms a token, no fixed part
-    cost.observe(3, 6.5)  # true cost 5 + 0.5 x 3; the line through 0 predicted 2.75, twice that is 5.5
-    assert cost.line() == (pytest.approx(5.0), pytest.approx(0.5))  # counted as measured: the line is found
+    cost.observe(0, 12, 11.0)  # one size seen: a line through 0, 0.92 ms a token, no fixed part
+    cost.observe(0, 3, 6.5)  # true cost 5 + 0.5 x 3; the line through 0 predicted 2.75, twice that is 5.5
+    assert cost.line() == (pytest.approx(5.0), pytest.approx(0.5), pytest.approx(0.5))  # counted as measured: the line is found
 
 
 def test_with_the_onset_rule_off_every_step_with_a_decode_is_held_to_the_target():
     budget = StepBudget(max_step_ms=65.0, min_prefill_tokens=4, onset=0)
     for tokens in (10, 300):
-        budget.cost.observe(tokens, 5.0 + 0.5 * tokens)
+        budget.cost.observe(0, tokens, 5.0 + 0.5 * tokens)
     assert budget.prefill_tokens(2, 512, starting=100) == 120 - 2
     assert budget.prefill_tokens(0, 512, starting=100) == 512  # no decode: nothing to hold it to
+
+
+def two_prices(fixed: float = 5.0, per_decode: float = 1.0, per_prompt: float = 0.25):
+    """A step's cost when a decode costs four prompt tokens (a decode is its own row through attention
+    and sampling; a prompt token shares its sequence's)."""
+    return lambda decodes, prompt_tokens: fixed + per_decode * decodes + per_prompt * prompt_tokens
+
+
+def test_decodes_and_prompt_tokens_are_priced_apart_when_both_counts_vary():
+    cost, truth = StepCost(), two_prices()
+    for d, p in ((40, 0), (10, 300), (30, 60), (0, 512), (20, 150), (45, 30)):
+        cost.observe(d, p, truth(d, p))
+    assert cost.line() == (pytest.approx(5.0), pytest.approx(1.0), pytest.approx(0.25))
+    assert cost.prompt_tokens_within(65.0, 20) == 160  # (65 - 5 - 20 x 1.0) / 0.25
+
+
+def test_a_count_that_holds_still_keeps_its_last_price():
+    cost, truth = StepCost(), two_prices()
+    for d, p in ((40, 0), (10, 300), (30, 60), (0, 512)):
+        cost.observe(d, p, truth(d, p))
+    slower = two_prices(per_decode=2.0)  # decodes get dearer (longer contexts) while no prompt arrives
+    for d in (40, 38, 35, 33, 30) * 6:
+        cost.observe(d, 0, slower(d, 0))
+    line = cost.line()
+    assert line.per_decode == pytest.approx(2.0, rel=0.05) and line.per_prompt == pytest.approx(0.25, rel=0.1)
+    assert cost.predict(30, 100) == pytest.approx(slower(30, 100), rel=0.05)
+
+
+def test_counts_that_move_together_are_charged_one_price_per_token():
+    cost = StepCost()
+    for d, p in ((10, 20), (20, 40), (30, 60)):  # p = 2d: no way to tell a decode from a prompt token
+        cost.observe(d, p, 5.0 + 1.0 * (d + p))
+    assert cost.line() == (pytest.approx(5.0), pytest.approx(1.0), pytest.approx(1.0))
+
+
+def test_steps_mostly_of_decodes_stay_within_the_target_when_decodes_cost_more_than_prompt_tokens():
+    """One price per token, fitted on a burst's long prompt steps, would undercharge decodes and let
+    steps of many decodes and some prompt overrun the target (the issue-33 burst: 20-35% over)."""
+    truth = two_prices()
+    s = scheduler(max_step_ms=65.0, min_prefill=4)
+    for q in [seq(200) for _ in range(2)] + [seq(4) for _ in range(40)]:
+        s.submit(q)
+    worst = 0.0
+    for i in range(30):
+        for q in [seq((120, 30, 250, 8)[i % 4])] if i % 3 == 0 else []:
+            s.submit(q)  # prompts of all sizes arriving beside the streams
+        plan = s.schedule()
+        ms = truth(plan.decodes, plan.num_tokens - plan.decodes)
+        s.postprocess(plan, {q.seq_id: 7 for q, n in plan.entries if q.num_computed + n == q.num_tokens})
+        s.observe_step(plan, ms)
+        if plan.decodes and i >= 8:  # the first prompts beside decodes tell the prices apart
+            worst = max(worst, ms)
+    assert 0 < worst <= 65.0
+    assert s.step_budget.cost.line() == (pytest.approx(5.0), pytest.approx(1.0), pytest.approx(0.25))

@@ -15,7 +15,7 @@ from server.scheduling.step_budget import AUTO, StepBudget
 
 def fitted(budget: StepBudget, fixed: float = 5.0, per_token: float = 0.5) -> StepBudget:
     for tokens in (10, 200, 40, 90, 3, 400):
-        budget.cost.observe(tokens, fixed + per_token * tokens)
+        budget.cost.observe(0, tokens, fixed + per_token * tokens)
     return budget
 
 
@@ -56,3 +56,17 @@ def test_the_server_default_is_the_automatic_target_and_a_configured_one_replace
     assert (default.max_step_ms, default.auto_step_target) == (0.0, AUTO)
     fixed = generation_settings(mc.ModelGeneration(max_step_ms=45.5), 128, 50).continuous
     assert (fixed.max_step_ms, fixed.auto_step_target) == (45.5, 0.0)
+
+
+def test_a_full_batch_is_priced_on_the_line_over_all_tokens_not_on_a_few_streams_decode_price():
+    """One stream's step is cheaper than the line through two or more (the issue-33 burst's tail: 1 to 5
+    decodes read ~4 ms a decode, a burst's 20 to 48 ~1), so the decode price fitted while few streams run
+    would put a full batch of 64 at several times its cost, and the target with it."""
+    budget = StepBudget(auto=2.0, auto_tokens=64)
+    budget.cost.observe(0, 1000, 30.0 + 0.25 * 1000)  # a prompt step
+    for decodes, ms in ((1, 18.0), (2, 29.0), (3, 32.0), (4, 33.0), (5, 38.0)) * 4:
+        budget.cost.observe(decodes, 0, ms)
+    steep, alike = budget.cost.line(), budget.cost.alike()
+    assert steep.per_decode > 3.0  # what the tail alone says
+    assert budget.target_ms(1) == pytest.approx(2.0 * (alike.fixed + alike.per_decode * 64))
+    assert budget.target_ms(1) < 0.5 * 2.0 * (steep.fixed + steep.per_decode * 64)
