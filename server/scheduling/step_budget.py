@@ -85,6 +85,7 @@ class StepCost:
         # decayed sums of 1, d, p, ms, d*d, p*p, d*p, d*ms, p*ms (d: decodes, p: prompt tokens)
         self._sums = [0.0] * 9
         self._prices: tuple[float, float] | None = None  # the last (per_decode, per_prompt) told apart
+        self._line = _NONE  # the fit as of the last step observed
 
     @property
     def fitted(self) -> bool:
@@ -100,7 +101,7 @@ class StepCost:
         d, p, k, sums = decodes, prompt_tokens, self.decay, self._sums
         for i, value in enumerate((1, d, p, ms, d * d, p * p, d * p, d * ms, p * ms)):
             sums[i] = k * sums[i] + value
-        self.line()  # keeps the prices while they can be told apart
+        self._line = self._fit()
 
     def _expected(self, decodes: int, prompt_tokens: int) -> float:
         """The most a step can plausibly cost by the fit. A line through 0 (no fixed part could be told
@@ -119,8 +120,10 @@ class StepCost:
 
     def line(self) -> Line:
         """The current fit; all zeros before any step was seen."""
-        if not self.fitted:
-            return _NONE
+        return self._line
+
+    def _fit(self) -> Line:
+        """Solve for the prices, remembering them when both can be told apart."""
         md, mp, my, vd, vp, cdp, cdy, cpy = moments = self._moments()
         if vd >= _FLAT and vp >= _FLAT and cdp * cdp <= _TOGETHER * vd * vp:  # both prices can be told apart
             det = vd * vp - cdp * cdp
