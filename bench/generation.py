@@ -1,6 +1,7 @@
 """Generation benchmark: continuous batching vs static batching vs one at a time vs transformers.
 
-    python -m bench.generation [--requests 48] [--rates 2,4] [--repeat 3] [--max-step-ms 50,100] [--burst-only]
+    python -m bench.generation [--requests 48] [--rates 2,4] [--repeat 3] [--max-step-ms 50,100]
+                               [--burst-only | --poisson-only]
     python -m bench.generation --prefix [--shared-requests 200] [--chats 50] [--chat-system-len 500]
                                [--transformers [--reference-scale 0.25]]  (bench/prefix.py)
     python -m bench.generation --speculative [--spec-requests 16] [--spec-rounds 3] [--spec-k 4] [--copy-steps 1500]
@@ -20,7 +21,9 @@ Figures: output tokens/s (useful tokens only), time to first token and inter-tok
 KV utilisation. The all-at-once runs of (a) and (d), which the ratios compare, run in interleaved
 rounds with fresh prompts each round (the prefix cache must not skip a round's prefill because the
 previous round sent the same prompts); each figure is the median over rounds. --burst-only runs just
-those. Appended to bench/RESULTS.md.
+those. The Poisson runs of (a) and (d) are interleaved the same way, each round with fresh prompts and
+its own arrival times (a p99 of 48 requests is nearly their maximum: one unlucky arrival moves it);
+--poisson-only runs just those. Appended to bench/RESULTS.md.
 
 With --prefix, the prefix-caching workloads instead (bench/prefix.py), caching off and on, and with
 --transformers the same through transformers' continuous batching on workloads cut to --reference-scale.
@@ -266,6 +269,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="rounds of the all-at-once runs; medians are kept")
     parser.add_argument("--max-step-ms", default=DEFAULT_STEP_MS,
                         help="generation.max_step_ms of the Ferry runs with a step-time target (comma-separated: one run each)")
+    parser.add_argument("--poisson-only", action="store_true", help="only the Poisson rounds of Ferry and transformers")
     parser.add_argument("--burst-only", action="store_true",
                         help="only the all-at-once runs (Ferry with and without the target, transformers)")
     parser.add_argument("--no-record", action="store_true")
@@ -309,20 +313,20 @@ def main() -> None:
             (repo / f"bench_{ms:g}ms" / "config.yaml").write_text(base + f", max_step_ms: {ms}}}\n")
         proc, address, metrics = start_ferry(repo)
         try:
-            rows = burst_rows(args, address, metrics, folder, jobs)
+            rows = [] if args.poisson_only else burst_rows(args, address, metrics, folder, jobs)
             if not args.burst_only:
-                rows += other_ferry_rows(args, address, metrics, jobs)
+                rows += poisson_rows(args, address, metrics, folder, len(jobs))
         finally:
             proc.terminate()
             proc.wait()
-        if not args.burst_only:
-            rows += other_engine_rows(args, folder, jobs)
+        if not (args.burst_only or args.poisson_only):
+            rows += other_engine_rows(folder, jobs)
     for row in rows:
         print(row, flush=True)
-    report = burst_report(args, jobs, rows)
-    print(report)
+    text = report(args, jobs, rows)
+    print(text)
     if not args.no_record:
-        common.append_results("Generation (bench/generation.py)", report)
+        common.append_results("Generation (bench/generation.py)", text)
 
 
 FERRY, TRANSFORMERS = "(a) Ferry gRPC, all at once", "(d) transformers CB, all at once"
@@ -352,37 +356,57 @@ def burst_rows(args, address, metrics, folder, jobs) -> list[dict]:
     return interleaved(measures, args.repeat)
 
 
-def poisson_arrivals(args, count: int) -> dict[float, list[float]]:
-    rates = [float(r) for r in args.rates.split(",")]
-    return {r: np.cumsum(np.random.default_rng(1).exponential(1 / r, size=count)).tolist() for r in rates}
+def poisson_modes(rate: float) -> tuple[str, str]:
+    return f"(a) Ferry gRPC, Poisson {rate:g}/s", f"(d) transformers CB, Poisson {rate:g}/s"
 
 
-def other_ferry_rows(args, address, metrics, jobs) -> list[dict]:
-    fresh = workload(len(jobs), seed=POISSON_SEED)  # prompts the burst rounds did not leave in the prefix cache
-    return [measure_ferry(address, metrics, fresh, arrivals, f"(a) Ferry gRPC, Poisson {r:g}/s")
-            for r, arrivals in poisson_arrivals(args, len(jobs)).items()]
+def poisson_rows(args, address, metrics, folder, count: int) -> list[dict]:
+    """Each rate in `--repeat` interleaved rounds of Ferry and transformers; round r: prompts the burst
+    rounds did not leave in the prefix cache (seed POISSON_SEED + r) and arrivals of its own."""
+    rounds = [workload(count, seed=POISSON_SEED + r) for r in range(args.repeat)]
+    warm = workload(4, seed=WARM_SEED)
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        times = [np.cumsum(np.random.default_rng(1 + r).exponential(1 / rate, size=count)).tolist()
+                 for r in range(args.repeat)]
+        ferry, hf = poisson_modes(rate)
+        rows += interleaved({
+            ferry: lambda r, ferry=ferry, times=times: measure_ferry(address, metrics, rounds[r], times[r], ferry),
+            hf: lambda r, hf=hf, times=times: measure_transformers(folder, rounds[r], times[r], hf, warm),
+        }, args.repeat)
+    return rows
 
 
-def other_engine_rows(args, folder, jobs) -> list[dict]:
-    rows = [run_batches(folder, jobs, STATIC_BATCH, f"(b) static batches of {STATIC_BATCH}, all at once"),
+def other_engine_rows(folder, jobs) -> list[dict]:
+    return [run_batches(folder, jobs, STATIC_BATCH, f"(b) static batches of {STATIC_BATCH}, all at once"),
             run_batches(folder, jobs, len(jobs), f"(b) static, one batch of {len(jobs)}, all at once"),
             run_batches(folder, jobs, 1, "(c) one at a time")]
-    fresh = workload(len(jobs), seed=POISSON_SEED)
-    return rows + [measure_transformers(folder, fresh, arrivals, f"(d) transformers CB, Poisson {r:g}/s")
-                   for r, arrivals in poisson_arrivals(args, len(jobs)).items()]
 
 
-def burst_report(args, jobs, rows) -> str:
+def report(args, jobs, rows) -> str:
     by = {r["mode"]: r for r in rows}
-    ferry, hf = by[FERRY], by[TRANSFORMERS]
     lines = [
         f"Workload: {len(jobs)} requests, prompts 8-256 tokens, outputs 8-128 tokens (30% long), random tokens; "
         "model: Llama, 6 layers, hidden 512 (about 20M parameters, so per-token compute matters), vocab 2048, "
         f"float32 on the CPU; max_num_batched_tokens 1024; the target runs add max_step_ms {args.max_step_ms}. "
-        f"All-at-once rows: medians of {args.repeat} interleaved rounds (tokens/s and inter-token p99 of each in "
-        "`runs`, `itl_p99_runs`).", "",
+        f"All-at-once and Poisson rows of (a) and (d): medians of {args.repeat} interleaved rounds (tokens/s and "
+        "inter-token p99 of each in `runs`, `itl_p99_runs`).", "",
         common.table(rows, ["mode", "output_tok_s", "wall_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                            "kv_mean_max", "runs", "itl_p99_runs"]), "",
+                            "kv_mean_max", "runs", "itl_p99_runs"]), ""]
+    if FERRY in by:
+        lines += burst_lines(args, jobs, by)
+    for rate in (float(r) for r in args.rates.split(",")):
+        ferry, hf = (by.get(mode) for mode in poisson_modes(rate))
+        if ferry and hf:
+            lines.append(
+                f"- Poisson {rate:g}/s, Ferry / transformers (target < 1x): time to first token p99 "
+                f"{ferry['ttft_p99_ms'] / hf['ttft_p99_ms']:.2f}x, inter-token p99 {ferry['itl_p99_ms'] / hf['itl_p99_ms']:.2f}x")
+    return "\n".join(lines)
+
+
+def burst_lines(args, jobs, by: dict) -> list[str]:
+    ferry, hf = by[FERRY], by[TRANSFORMERS]
+    lines = [
         f"- default config (the automatic step-time target): inter-token p99 / transformers' "
         f"{ferry['itl_p99_ms'] / hf['itl_p99_ms']:.2f}x (target <= 1.5x); tokens/s / transformers' "
         f"{ferry['output_tok_s'] / hf['output_tok_s']:.2f}x (target >= 1.3x)",
@@ -402,8 +426,7 @@ def burst_report(args, jobs, rows) -> str:
             f"tokens/s with batches of {STATIC_BATCH}, {tok / by[f'(b) static, one batch of {len(jobs)}, all at once']['output_tok_s']:.2f}x "
             "with one batch of all (target >= 2x)",
             f"- Ferry / one at a time: {tok / by['(c) one at a time']['output_tok_s']:.2f}x"]
-    return "\n".join(lines)
-
+    return lines
 
 if __name__ == "__main__":
     main()
