@@ -38,7 +38,7 @@ def replay(args, max_step_ms: float, first: int, onset: bool) -> dict:
     now, first_token, last, itl = 0.0, {}, {}, []
     while s.running or s.num_waiting or late:
         plan = s.schedule()
-        cost = args.fixed_ms + args.decode_ms * plan.decodes + args.prompt_ms * (plan.num_tokens - plan.decodes)
+        cost = args.fixed_ms + args.decode_ms * plan.decodes + args.prompt_ms * plan.prompt_tokens
         now += cost
         sampled = {q.seq_id: 7 for q, n in plan.entries if q.num_computed + n >= q.num_tokens}
         s.postprocess(plan, sampled)

@@ -226,7 +226,7 @@ class GenerationRunner(RunnerBase):
         ran = outcome.ran
         tokens, elapsed = ran.num_tokens, time.monotonic_ns() - started_ns
         self.gen_stats.observe_step(tokens, elapsed)
-        self._slow.check(elapsed, self.scheduler.step_budget.cost.predict(ran.decodes, tokens - ran.decodes), timing,
+        self._slow.check(elapsed, self.scheduler.step_budget.cost.predict(ran.decodes, ran.prompt_tokens), timing,
                          tokens, len(ran.entries))
         if tokens and not outcome.reruns:
             self.scheduler.observe_step(ran, elapsed / 1e6)

@@ -66,6 +66,11 @@ class StepPlan:
     def num_tokens(self) -> int:
         return sum(n for _, n in self.entries)
 
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens fed beyond the decodes' one each: prompt chunks and drafts."""
+        return self.num_tokens - self.decodes
+
     def __bool__(self) -> bool:
         return bool(self.entries)
 
@@ -140,7 +145,7 @@ class ContinuousScheduler:
 
     def observe_step(self, plan: StepPlan, step_ms: float) -> None:
         """The runner's measurement of a step that ran `plan`: feeds the step-time target."""
-        self.step_budget.cost.observe(plan.decodes, plan.num_tokens - plan.decodes, step_ms)
+        self.step_budget.cost.observe(plan.decodes, plan.prompt_tokens, step_ms)
 
     def schedule(self) -> StepPlan:
         budget = self.settings.max_num_batched_tokens

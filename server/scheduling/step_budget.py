@@ -73,6 +73,9 @@ class Line(NamedTuple):
     per_decode: float  # ms per sequence fed its one pending token
     per_prompt: float  # ms per prompt-chunk or draft token
 
+    def cost(self, decodes: int, prompt_tokens: int = 0) -> float:
+        return self.fixed + self.per_decode * decodes + self.per_prompt * prompt_tokens
+
 
 _NONE = Line(0.0, 0.0, 0.0)
 
@@ -85,7 +88,7 @@ class StepCost:
         # decayed sums of 1, d, p, ms, d*d, p*p, d*p, d*ms, p*ms (d: decodes, p: prompt tokens)
         self._sums = [0.0] * 9
         self._prices: tuple[float, float] | None = None  # the last (per_decode, per_prompt) told apart
-        self._line = _NONE  # the fit as of the last step observed
+        self._line = self._alike_line = _NONE  # the fits as of the last step observed
 
     @property
     def fitted(self) -> bool:
@@ -101,15 +104,15 @@ class StepCost:
         d, p, k, sums = decodes, prompt_tokens, self.decay, self._sums
         for i, value in enumerate((1, d, p, ms, d * d, p * p, d * p, d * ms, p * ms)):
             sums[i] = k * sums[i] + value
-        self._line = self._fit()
+        moments = self._moments()
+        self._line, self._alike_line = self._fit(moments), self._alike(moments)
 
     def _expected(self, decodes: int, prompt_tokens: int) -> float:
         """The most a step can plausibly cost by the fit. A line through 0 (no fixed part could be told
         apart yet) charges a small step none of the fixed part, which may be most of its cost; so such a
         step is expected to cost up to what the average step did."""
-        line = self.line()
-        expected = line.fixed + line.per_decode * decodes + line.per_prompt * prompt_tokens
-        return expected if line.fixed > 0 else max(expected, self._sums[3] / self._sums[0])
+        expected = self._line.cost(decodes, prompt_tokens)
+        return expected if self._line.fixed > 0 else max(expected, self._sums[3] / self._sums[0])
 
     def _moments(self) -> tuple[float, ...]:
         """Decayed means of d, p, ms; variances of d, p; covariances d-p, d-ms, p-ms."""
@@ -122,9 +125,9 @@ class StepCost:
         """The current fit; all zeros before any step was seen."""
         return self._line
 
-    def _fit(self) -> Line:
+    def _fit(self, moments: tuple[float, ...]) -> Line:
         """Solve for the prices, remembering them when both can be told apart."""
-        md, mp, my, vd, vp, cdp, cdy, cpy = moments = self._moments()
+        md, mp, my, vd, vp, cdp, cdy, cpy = moments
         if vd >= _FLAT and vp >= _FLAT and cdp * cdp <= _TOGETHER * vd * vp:  # both prices can be told apart
             det = vd * vp - cdp * cdp
             a, b = (cdy * vp - cpy * cdp) / det, (cpy * vd - cdy * cdp) / det
@@ -148,7 +151,7 @@ class StepCost:
         decodes larger than any seen lately, where the decode price alone, fitted over a few streams,
         does not (one stream's step is cheaper than the line through two or more: 1 to 5 decodes read
         ~4 ms a decode on the benchmark model against ~1 from a burst's 20 to 48)."""
-        return self._alike(self._moments()) if self.fitted else _NONE
+        return self._alike_line
 
     @staticmethod
     def _alike(moments: tuple[float, ...]) -> Line:
@@ -162,8 +165,7 @@ class StepCost:
 
     def predict(self, decodes: int, prompt_tokens: int = 0) -> float:
         """The fitted cost of a step (0 before any step was seen)."""
-        line = self.line()
-        return line.fixed + line.per_decode * decodes + line.per_prompt * prompt_tokens
+        return self._line.cost(decodes, prompt_tokens)
 
     def prompt_tokens_within(self, ms: float, decodes: int) -> int | None:
         """The most prompt tokens a step with `decodes` decodes may add and be predicted to end within
@@ -210,5 +212,5 @@ class StepBudget:
             return self.max_step_ms
         if self.auto <= 0:
             return 0.0
-        line = self.cost.alike()  # extrapolated to a full batch: see StepCost.alike
-        return self.auto * (line.fixed + line.per_decode * max(decoding, self.auto_tokens))
+        # extrapolated to a full batch on the line over all tokens: see StepCost.alike
+        return self.auto * self.cost.alike().cost(max(decoding, self.auto_tokens))
