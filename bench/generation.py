@@ -361,18 +361,19 @@ def poisson_modes(rate: float) -> tuple[str, str]:
 
 
 def poisson_rows(args, address, metrics, folder, count: int) -> list[dict]:
-    """Each rate in `--repeat` interleaved rounds of Ferry and transformers; round r: prompts the burst
-    rounds did not leave in the prefix cache (seed POISSON_SEED + r) and arrivals of its own."""
-    rounds = [workload(count, seed=POISSON_SEED + r) for r in range(args.repeat)]
+    """Each rate in `--repeat` interleaved rounds of Ferry and transformers; every round of every rate
+    draws prompts no other run sent (seed POISSON_SEED + its number: the prefix cache must not skip
+    their prefill) and arrivals of its own."""
     warm = workload(4, seed=WARM_SEED)
     rows = []
-    for rate in (float(r) for r in args.rates.split(",")):
+    for k, rate in enumerate(float(r) for r in args.rates.split(",")):
+        rounds = [workload(count, seed=POISSON_SEED + k * args.repeat + r) for r in range(args.repeat)]
         times = [np.cumsum(np.random.default_rng(1 + r).exponential(1 / rate, size=count)).tolist()
                  for r in range(args.repeat)]
         ferry, hf = poisson_modes(rate)
         rows += interleaved({
-            ferry: lambda r, ferry=ferry, times=times: measure_ferry(address, metrics, rounds[r], times[r], ferry),
-            hf: lambda r, hf=hf, times=times: measure_transformers(folder, rounds[r], times[r], hf, warm),
+            ferry: lambda r, ferry=ferry, rounds=rounds, times=times: measure_ferry(address, metrics, rounds[r], times[r], ferry),
+            hf: lambda r, hf=hf, rounds=rounds, times=times: measure_transformers(folder, rounds[r], times[r], hf, warm),
         }, args.repeat)
     return rows
 
