@@ -23,16 +23,20 @@ of each step instead of nearly all of a long step, and the burst's last prompt s
 (T / (T - D)) / (S / (S - D)) times later than with no target (S: a step of max_num_batched_tokens).
 
 Without a target of its own a model gets one sized from its measured step cost (`auto`, the server's
-default): AUTO times the predicted cost of a step of `auto_tokens` decodes (the scheduler passes
-max_num_seqs, a full batch of streams), or of the step's own decodes when there are more, priced on
-the line that charges every token alike (StepCost.alike: it extrapolates to a full batch steadily).
-So no step lasts more than AUTO times what a full batch of decodes costs on this model and machine,
-and while few streams run, prompts get most of the step. (A fixed number of milliseconds is right for one
-model on one machine only: 50 ms is a stall for a small model and a crawl for a large one. A target
-of AUTO times the step's own decodes was replayed too: it bounds a burst's inter-token latency more
-tightly, but with few streams it leaves prompts a sliver of each step, and it raised the time to first
-token p99 of Poisson arrivals by 40%.)
-
+default). Its unit is the stall prompts may add to a decode's wait, summed over the streams decoding:
+a full batch of streams (`auto_tokens`, the scheduler passes max_num_seqs) may each wait AUTO - 1
+times what the batch's decodes cost for prompt work, and fewer streams share that same total, so each
+of d streams may wait max_num_seqs / d times as long. So no step of a full batch lasts more than AUTO
+times what its decodes cost, and the fewer the streams a long prompt would stall, the more of it goes
+in one step: chunking a prompt does not shrink the wait it causes, it spreads the wait over more
+steps, each repeating the step's fixed cost, and delays the prompt's own first token by as many steps.
+The full batch is priced on the line that charges every token alike (StepCost.alike: it extrapolates
+to a full batch steadily). (A fixed number of milliseconds is right for one model on one machine only:
+50 ms is a stall for a small model and a crawl for a large one. Two other automatic targets were
+measured: AUTO times a full batch's cost whatever the streams, which with 2-4 streams cut a 250-token
+prompt into three chunks and raised Poisson arrivals' time to first token p99 by ~40% and their
+inter-token p99 too (more steps carried a chunk); and AUTO times the step's own decodes, which leaves
+prompts a sliver of each step while few streams run, worse still.)
 NOTE: the cost model is step_ms = fixed + per_decode * decodes + per_prompt * prompt_tokens, fitted by
 least squares over exponentially decayed past steps (recent steps count most, so it follows load and
 context growth). Decodes and prompt tokens are priced apart because they cost differently: a decode
@@ -185,8 +189,8 @@ class StepBudget:
     min_prefill_tokens: int = 32
     cost: StepCost | None = None
     onset: int = ONSET  # 0: every step with a decode is held to the target
-    auto: float = 0.0  # without max_step_ms: target this many times the cost of `auto_tokens` decodes (0: none)
-    auto_tokens: int = 0  # the decodes the automatic target is sized for (the step's own, if more)
+    auto: float = 0.0  # without max_step_ms: a full batch's steps target this many times its decodes' cost (0: none)
+    auto_tokens: int = 0  # the streams of a full batch, whose summed stall fewer streams share (the step's own, if more)
 
     def __post_init__(self) -> None:
         if self.cost is None:
@@ -207,10 +211,12 @@ class StepBudget:
 
     def target_ms(self, decoding: int) -> float:
         """The step-time target of a step with `decoding` decodes: the fixed one, else the automatic one
-        (0: none, or no fit yet)."""
+        (0: none, or no fit yet): the decodes' own cost plus their share of the stall a full batch may
+        take (see the module's docstring)."""
         if self.max_step_ms > 0:
             return self.max_step_ms
         if self.auto <= 0:
             return 0.0
-        # extrapolated to a full batch on the line over all tokens: see StepCost.alike
-        return self.auto * self.cost.alike().cost(max(decoding, self.auto_tokens))
+        full = max(decoding, self.auto_tokens)
+        stall = (self.auto - 1) * self.cost.alike().cost(full)  # each stream's share when a full batch runs
+        return self.cost.predict(decoding) + stall * full / max(decoding, 1)

@@ -39,8 +39,9 @@ def prompt_tokens(plan) -> int:
 
 def test_the_automatic_target_holds_prompts_back_while_sequences_decode():
     s = decoding_batch()
-    # target AUTO x (5 + 0.5 x 32 decodes) ms holds (target - 5) / 0.5 tokens, 16 of them decodes
-    held = int((AUTO * (5.0 + 0.5 * 32) - 5.0) / 0.5) - 16
+    # a full batch of 32 may each wait (AUTO - 1) x (5 + 0.5 x 32) ms for prompts; the 16 decoding share
+    # that total, twice as long each, at 0.5 ms a prompt token
+    held = int((AUTO - 1) * (5.0 + 0.5 * 32) * 32 / 16 / 0.5)
     assert 0 < held < 8 * 40 and prompt_tokens(s.schedule()) == held
 
 

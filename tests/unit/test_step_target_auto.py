@@ -1,6 +1,6 @@
-"""The automatic step-time target (step_budget.py): with no max_step_ms, a step with decodes is held to
-AUTO times the fitted cost of a full batch of decodes (or of its own, if more); it is the server's
-default (runners/settings.py)."""
+"""The automatic step-time target (step_budget.py): with no max_step_ms, a full batch of decodes (or a
+larger one) is held to AUTO times its fitted cost, and fewer streams share the same summed stall, so
+each may wait longer for prompts; it is the server's default (runners/settings.py)."""
 
 from __future__ import annotations
 
@@ -28,10 +28,15 @@ def test_the_automatic_target_is_a_multiple_of_the_decodes_own_cost():
     assert budget.prefill_tokens(decoding=60, budget=512, starting=1) == 70  # 70 ms: 130 tokens, 60 of them decodes
 
 
-def test_the_automatic_target_is_sized_for_a_full_batch_so_few_streams_leave_prompts_most_of_the_step():
+def test_fewer_streams_share_a_full_batchs_stall_so_each_waits_longer_for_prompts():
     budget = fitted(StepBudget(auto=2.0, auto_tokens=64, min_prefill_tokens=4))
-    assert budget.target_ms(4) == pytest.approx(2.0 * (5.0 + 0.5 * 64))  # 74 ms whatever the decodes
-    assert budget.prefill_tokens(decoding=4, budget=512, starting=1) == 138 - 4  # 74 ms holds 138 tokens
+    stall = (2.0 - 1) * (5.0 + 0.5 * 64)  # 37 ms for each of 64 streams: 74 prompt tokens in a full batch's step
+    assert budget.target_ms(64) == pytest.approx(2.0 * (5.0 + 0.5 * 64))
+    assert budget.prefill_tokens(decoding=64, budget=1024, starting=1) == 74
+    assert budget.target_ms(32) == pytest.approx(5.0 + 0.5 * 32 + stall * 2)  # half the streams, twice the wait each
+    assert budget.prefill_tokens(decoding=32, budget=1024, starting=1) == 148
+    # four streams may each wait 16 times a full batch's share: a 256-token prompt goes in one step
+    assert budget.prefill_tokens(decoding=4, budget=512, starting=1) == 512 - 4
     assert budget.target_ms(100) == pytest.approx(2.0 * (5.0 + 0.5 * 100))  # more streams than that: their own
 
 
@@ -61,12 +66,13 @@ def test_the_server_default_is_the_automatic_target_and_a_configured_one_replace
 def test_a_full_batch_is_priced_on_the_line_over_all_tokens_not_on_a_few_streams_decode_price():
     """One stream's step is cheaper than the line through two or more (the issue-33 burst's tail: 1 to 5
     decodes read ~4 ms a decode, a burst's 20 to 48 ~1), so the decode price fitted while few streams run
-    would put a full batch of 64 at several times its cost, and the target with it."""
+    would put a full batch of 64 at several times its cost, and the stall it may take with it."""
     budget = StepBudget(auto=2.0, auto_tokens=64)
     budget.cost.observe(0, 1000, 30.0 + 0.25 * 1000)  # a prompt step
     for decodes, ms in ((1, 18.0), (2, 29.0), (3, 32.0), (4, 33.0), (5, 38.0)) * 4:
         budget.cost.observe(decodes, 0, ms)
     steep, alike = budget.cost.line(), budget.cost.alike()
     assert steep.per_decode > 3.0  # what the tail alone says
-    assert budget.target_ms(1) == pytest.approx(2.0 * (alike.fixed + alike.per_decode * 64))
-    assert budget.target_ms(1) < 0.5 * 2.0 * (steep.fixed + steep.per_decode * 64)
+    stall = budget.target_ms(64) - steep.cost(64)
+    assert stall == pytest.approx(alike.cost(64))
+    assert stall < 0.5 * steep.cost(64)
