@@ -165,6 +165,11 @@ def start_ferry(repo: Path):
     return proc, address, metrics
 
 
+KV_SAMPLE_S = 0.25  # a scrape costs the server ~4 ms of CPU under its GIL (3 models' metrics here); at
+# 20 a second, as until 2026-12-03, that was ~8% of a core taken from the step thread mid-run, where
+# Prometheus scrapes every 15-60 s
+
+
 def kv_sampler(metrics_url: str, stop: threading.Event, samples: list, model: str = "bench") -> None:
     while not stop.is_set():
         page = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
@@ -172,7 +177,7 @@ def kv_sampler(metrics_url: str, stop: threading.Event, samples: list, model: st
         total = re.search(rf'ferry_kv_blocks_total\{{model="{model}",version="1"\}} (\S+)', page)
         if used and total and float(total.group(1)):
             samples.append(float(used.group(1)) / float(total.group(1)))
-        stop.wait(0.05)
+        stop.wait(KV_SAMPLE_S)
 
 
 async def ferry_run(address: str, jobs, arrivals: list[float], model: str = "bench") -> tuple[float, list, list]:
