@@ -13,10 +13,10 @@ import contextlib
 import itertools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from server.backends.llm import torch_thread
 from server.backends.llm.engine import LLMBackend
 from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings
 from server.errors import BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError
@@ -113,7 +113,7 @@ class GenerationRunner(RunnerBase):
         self.gen_stats = gen_stats
         self.default_max_tokens = default_max_tokens
         self._ids = itertools.count()
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-{version}-llm")
+        self._thread, self._owns_thread = torch_thread.step_thread(backend.device, f"{name}-{version}-llm")
         self._slow = slow_steps.SlowSteps(name)
 
     def throughput_first(self) -> None:
@@ -335,5 +335,8 @@ class GenerationRunner(RunnerBase):
         self.stats.set_gauges(s.gauges())
 
     async def _shutdown(self) -> None:
-        self._thread.shutdown(wait=True)
+        if self._owns_thread:
+            self._thread.shutdown(wait=True)
+        else:  # the shared CPU thread: let a step already handed to it end before the model goes
+            await asyncio.get_running_loop().run_in_executor(self._thread, lambda: None)
         self.backend.unload()

@@ -15,7 +15,7 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm import cpu_decode, linear, paged_kernel, shared_prefix
+from server.backends.llm import cpu_decode, linear, paged_kernel, shared_prefix, torch_thread
 from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
@@ -86,6 +86,10 @@ class LLMBackend(Backend):
         self.shared_prefix_reads = 0  # key reads a layer saved by shared-prefix attention, since load
 
     def load(self) -> None:
+        """On the CPU, on the thread that will run the steps (torch_thread.py)."""
+        torch_thread.run(self.device, self._load)
+
+    def _load(self) -> None:
         self.args = LlamaArgs.load(self.folder)
         self.torch_device = torch.device(str(self.device))
         self.dtype = self._dtype()
