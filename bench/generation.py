@@ -167,7 +167,8 @@ def start_ferry(repo: Path):
 
 KV_SAMPLE_S = 0.25  # a scrape costs the server ~4 ms of CPU under its GIL (3 models' metrics here); at
 # 20 a second, as until 2026-12-03, that was ~8% of a core taken from the step thread mid-run, where
-# Prometheus scrapes every 15-60 s
+# Prometheus scrapes every 15-60 s. The Poisson runs, whose KV use is near nothing, are not sampled:
+# there a scrape's GIL hold lands on a few decode steps of ~10 ms and moves the inter-token p99.
 
 
 def kv_sampler(metrics_url: str, stop: threading.Event, samples: list, model: str = "bench") -> None:
@@ -203,12 +204,15 @@ async def ferry_run(address: str, jobs, arrivals: list[float], model: str = "ben
 
 
 def measure_ferry(address, metrics_url, jobs, arrivals, name, model: str = "bench") -> dict:
+    """One run; KV use sampled from `metrics_url` meanwhile (None: not sampled, and nothing perturbed)."""
     samples, stop = [], threading.Event()
     watcher = threading.Thread(target=kv_sampler, args=(metrics_url, stop, samples, model), daemon=True)
-    watcher.start()
+    if metrics_url:
+        watcher.start()
     wall, ttft, itl = asyncio.run(ferry_run(address, jobs, arrivals, model))
     stop.set()
-    watcher.join()
+    if metrics_url:
+        watcher.join()
     kv = f"{np.mean(samples):.2f} / {np.max(samples):.2f}" if samples else ""
     return summary(name, sum(n for _, n in jobs), wall, ttft, itl, kv_mean_max=kv)
 
@@ -368,7 +372,7 @@ def poisson_modes(rate: float) -> tuple[str, str]:
 def poisson_rows(args, address, metrics, folder, count: int) -> list[dict]:
     """Each rate in `--repeat` interleaved rounds of Ferry and transformers; every round of every rate
     draws prompts no other run sent (seed POISSON_SEED + its number: the prefix cache must not skip
-    their prefill) and arrivals of its own."""
+    their prefill) and arrivals of its own. Ferry's KV use is not sampled here (KV_SAMPLE_S says why)."""
     warm = workload(4, seed=WARM_SEED)
     rows = []
     for k, rate in enumerate(float(r) for r in args.rates.split(",")):
@@ -377,7 +381,7 @@ def poisson_rows(args, address, metrics, folder, count: int) -> list[dict]:
                  for r in range(args.repeat)]
         ferry, hf = poisson_modes(rate)
         rows += interleaved({
-            ferry: lambda r, ferry=ferry, rounds=rounds, times=times: measure_ferry(address, metrics, rounds[r], times[r], ferry),
+            ferry: lambda r, ferry=ferry, rounds=rounds, times=times: measure_ferry(address, None, rounds[r], times[r], ferry),
             hf: lambda r, hf=hf, rounds=rounds, times=times: measure_transformers(folder, rounds[r], times[r], hf, warm),
         }, args.repeat)
     return rows
