@@ -1,17 +1,20 @@
 """One thread for every generation model's torch work on the CPU: loads and steps alike.
 
 torch's OpenMP runtime (libgomp on Linux) keeps a team of worker threads for each thread that opens a
-parallel region, and once the process holds more of them than it has CPUs it stops letting them spin
-between regions (~100 spins, then sleep). Every parallel region of a step then wakes its sleeping
-worker, and the kernel tends to place the woken worker on the waking thread's own core. Measured on a
-2-core machine (the issue-33 benchmark model, 200-token prefill): with the model loaded on one
-thread and stepped on another, ~150 involuntary switches per step and 1.3-1.9x its time after the
-server had been idle for a moment, which is when a request's first step runs. One thread for the
-load and every step of every model on the CPU keeps the process at one team.
+parallel region, and once the process holds more of them than it has CPUs it lets them spin only
+~100 times between regions before they sleep; each parallel region then wakes a sleeping worker,
+which the kernel tends to place on the waking thread's own core. That is the likely reading of what
+was measured on a 2-core machine (the issue-33 benchmark model served, a 200-token prompt every 0.3 s
+so the server idles between them): ~150 involuntary context switches per prefill step with the model
+loaded on one thread and stepped on another, and time to first token 90-99 ms against 67-76 ms with
+load and steps on this one thread (three interleaved rounds of eight). Without the server the same
+switches came and went with the machine's state whichever thread ran what, so the mechanism is not
+proven; the served difference held in every round.
 
-The price is that CPU models step one at a time; each step already spreads over every core, so two
-at once would only fight over them. On CUDA each model keeps a step thread of its own: its work is
-the device's, and models overlap there.
+The price: CPU models step one at a time, and a CPU model's load holds up the other CPU models' steps
+until it is done. Each step already spreads over every core, so two at once would only fight over
+them. On CUDA each model keeps a step thread of its own: its work is the device's, and models overlap
+there.
 """
 
 from __future__ import annotations
