@@ -37,6 +37,7 @@ measured: AUTO times a full batch's cost whatever the streams, which with 2-4 st
 prompt into three chunks and raised Poisson arrivals' time to first token p99 by ~40% and their
 inter-token p99 too (more steps carried a chunk); and AUTO times the step's own decodes, which leaves
 prompts a sliver of each step while few streams run, worse still.)
+
 NOTE: the cost model is step_ms = fixed + per_decode * decodes + per_prompt * prompt_tokens, fitted by
 least squares over exponentially decayed past steps (recent steps count most, so it follows load and
 context growth). Decodes and prompt tokens are priced apart because they cost differently: a decode
