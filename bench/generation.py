@@ -244,6 +244,17 @@ def transformers_manager(folder: Path, warm, kv: tuple[int, int, int] | None = N
 
 
 def measure_transformers(folder: Path, jobs, arrivals: list[float], name: str, warm=None, kv=None) -> dict:
+    """One transformers run in a process of its own that exits after it: run in this one, it left
+    something behind (its cache, sized from free RAM without `kv`, or its threads) that slowed the
+    Ferry round after it (inter-token p99 at Poisson 2/s 43-54 ms against 26-27 alone, the server's own
+    histogram too)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_measure_transformers, (folder, jobs, arrivals, name, warm, kv))
+
+
+def _measure_transformers(folder: Path, jobs, arrivals: list[float], name: str, warm=None, kv=None) -> dict:
     manager = transformers_manager(folder, jobs[:4] if warm is None else warm, kv)
     sent = {}
     start = time.perf_counter()
