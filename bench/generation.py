@@ -206,12 +206,12 @@ async def ferry_run(address: str, jobs, arrivals: list[float], model: str = "ben
 def measure_ferry(address, metrics_url, jobs, arrivals, name, model: str = "bench") -> dict:
     """One run; KV use sampled from `metrics_url` meanwhile (None: not sampled, and nothing perturbed)."""
     samples, stop = [], threading.Event()
-    watcher = threading.Thread(target=kv_sampler, args=(metrics_url, stop, samples, model), daemon=True)
-    if metrics_url:
+    watchers = [threading.Thread(target=kv_sampler, args=(metrics_url, stop, samples, model), daemon=True)] if metrics_url else []
+    for watcher in watchers:
         watcher.start()
     wall, ttft, itl = asyncio.run(ferry_run(address, jobs, arrivals, model))
     stop.set()
-    if metrics_url:
+    for watcher in watchers:
         watcher.join()
     kv = f"{np.mean(samples):.2f} / {np.max(samples):.2f}" if samples else ""
     return summary(name, sum(n for _, n in jobs), wall, ttft, itl, kv_mean_max=kv)
@@ -335,7 +335,7 @@ def main() -> None:
         try:
             rows = [] if args.poisson_only else burst_rows(args, address, metrics, folder, jobs)
             if not args.burst_only:
-                rows += poisson_rows(args, address, metrics, folder, len(jobs))
+                rows += poisson_rows(args, address, folder, len(jobs))
         finally:
             proc.terminate()
             proc.wait()
@@ -380,7 +380,7 @@ def poisson_modes(rate: float) -> tuple[str, str]:
     return f"(a) Ferry gRPC, Poisson {rate:g}/s", f"(d) transformers CB, Poisson {rate:g}/s"
 
 
-def poisson_rows(args, address, metrics, folder, count: int) -> list[dict]:
+def poisson_rows(args, address, folder, count: int) -> list[dict]:
     """Each rate in `--repeat` interleaved rounds of Ferry and transformers; every round of every rate
     draws prompts no other run sent (seed POISSON_SEED + its number: the prefix cache must not skip
     their prefill) and arrivals of its own. Ferry's KV use is not sampled here (KV_SAMPLE_S says why)."""
