@@ -32,6 +32,7 @@ _TYPED_FIELD = {
 # Request parameters Triton reserves; anything else named triton_* is refused like Triton does.
 _RESERVED_TRITON_KEYS = {"triton_enable_empty_final_response"}
 _NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
+_BY_API = datatypes.BY_API
 
 
 
@@ -39,7 +40,7 @@ def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, 
     """`read_shared(tensor, dtype, shape)`: the array of an input that names a shared memory region, or
     None when it names none. As Triton, raw_input_contents carry only the inputs not in shared memory, in order."""
     raw = request.raw_input_contents
-    sent = request.inputs  # read once: each access of a repeated field builds a new wrapper
+    sent = list(request.inputs)  # each tensor's wrapper built once, for both passes
     if raw:
         inline = 0
         for t in sent:
@@ -60,13 +61,14 @@ def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, 
         name = tensor.name
         if name in inputs:
             raise InvalidInputError(f"input {shown(name)} appears twice in the request")
-        dtype = datatypes.BY_API.get(tensor.datatype)
+        dtype = _BY_API.get(tensor.datatype)
         if dtype is None:
             raise InvalidInputError(
                 f"input {shown(name)} has unknown datatype {shown(tensor.datatype)}; use one of {sorted(datatypes.BY_API)}"
             )
         shape = tensors.checked_shape(name, tuple(tensor.shape))
-        from_region = read_shared(tensor, dtype, shape) if read_shared is not None else None
+        # Only a tensor with parameters can name a region: most have none, and skip the reader's call.
+        from_region = read_shared(tensor, dtype, shape) if read_shared is not None and tensor.parameters else None
         if from_region is not None:
             inputs[name] = from_region
         elif raw:
@@ -102,6 +104,8 @@ def _from_typed(tensor, dtype: datatypes.DataType, shape: tuple) -> np.ndarray:
 
 
 def decode_parameters(params) -> dict[str, Any]:
+    if not params:  # most requests carry none; a map's items() goes through the Mapping ABC
+        return {}
     out = {}
     for key, param in params.items():
         if key.startswith("triton_") and key not in _RESERVED_TRITON_KEYS:

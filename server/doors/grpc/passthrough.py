@@ -24,6 +24,7 @@ import grpc
 from google.protobuf import descriptor_pool, message_factory
 from google.protobuf.message import DecodeError
 
+from server.doors.grpc.errors import abort_for
 from server.errors import InvalidInputError
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,6 @@ def add_service(servicer, service_name: str, server, bodies: MalformedBodies) ->
     handlers = {}
     for method in service.methods:
         request_cls = message_factory.GetMessageClass(method.input_type)
-        response_cls = message_factory.GetMessageClass(method.output_type)
         parse = body_parser(request_cls, f"{service.full_name}/{method.name}", bodies)
         behavior = getattr(servicer, method.name)
         if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
@@ -81,8 +81,14 @@ def add_service(servicer, service_name: str, server, bodies: MalformedBodies) ->
             (True, False): (grpc.stream_unary_rpc_method_handler, _stream(behavior, parse)),
             (True, True): (grpc.stream_stream_rpc_method_handler, _stream_stream(behavior, parse)),
         }[kind]
-        handlers[method.name] = build(wrapped, request_deserializer=None, response_serializer=response_cls.SerializeToString)
+        handlers[method.name] = build(wrapped, request_deserializer=None, response_serializer=serialize)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+
+def serialize(response) -> bytes:
+    """A handler may answer with the message or with its bytes already composed (ModelInfer:
+    response_bytes.py)."""
+    return response if response.__class__ is bytes else response.SerializeToString()
 
 
 def body_parser(request_cls, method: str, bodies: MalformedBodies):
@@ -115,12 +121,32 @@ def _unimplemented(name: str, streaming: bool):
 
 
 def _unary(behavior, parse):
+    method = getattr(behavior, "translated", None)
+    if method is not None:
+        return _unary_translated(method.__get__(behavior.__self__), parse, method.__name__)
+
     async def handler(raw, context):
         try:
             request = parse(raw)
         except InvalidInputError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         return await behavior(request, context)
+
+    return handler
+
+
+def _unary_translated(method, parse, name: str):
+    """`_unary` for a method under `errors.translate_errors`, its error handling done here (the ModelInfer of
+    every request: a coroutine less for each)."""
+    async def handler(raw, context):
+        try:
+            request = parse(raw)
+        except InvalidInputError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        try:
+            return await method(request, context)
+        except Exception as exc:  # noqa: BLE001 - the server keeps serving whatever a handler hits
+            await abort_for(exc, context, name)
 
     return handler
 

@@ -16,10 +16,11 @@ from server.doors.model_control import ModelControl
 from server.observability.metrics import INFER_DURATIONS
 from server.names import parse_version
 from server.repository.registry import READY, ModelVersion, Registry
-from server.request import InferRequest, with_parameters_of
+from server.request import InferRequest, parameters_of, with_parameters_of
 from server.doors.grpc import codec
 from server.doors.grpc import shared_memory as shm_rpc
 from server.doors.grpc.errors import translate_errors
+from server.doors.grpc.response_bytes import response_bytes
 from server.doors.grpc.stream_infer import stream_infer
 from server.runners.base import DECOUPLED, INFER
 from server.tensors.shared_memory import SharedMemoryRegistry
@@ -138,9 +139,13 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
             if trace is not None:
                 call = self._infer(request, arrival, context.time_remaining(), trace)
                 return await trace_doors.grpc_unary(trace, arrival, context, call)
-        # Untraced (nearly every call): _infer's steps without a coroutine of its own.
+        # Untraced (nearly every call): _infer's steps without a coroutine of its own, answered as bytes.
         mv, infer, counts, targets = self._admit(request, arrival, context.time_remaining())
-        return _response(request, mv, infer, await mv.runner.infer(infer), counts, targets)
+        outputs = await mv.runner.infer(infer)
+        if counts or targets or parameters_of(outputs):
+            return _response(request, mv, infer, outputs, counts, targets)
+        return response_bytes(request.model_name, request.id, mv.version, outputs,
+                              infer.requested_outputs or tuple(mv.signature.outputs))
 
     async def ModelStreamInfer(self, request_iterator, context):
         async def infer_one(request, arrival, trace):
@@ -213,7 +218,7 @@ def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
     raw = request.raw_input_contents
     if raw:
         total = sum(map(len, raw))
-        if len(raw) == len(request.inputs):  # one raw entry per input (decode_inputs checked): none in shared memory
+        if len(raw) == len(inputs):  # one raw entry per input (decode_inputs checked): none in shared memory
             return total
         for t in request.inputs:
             if shm_rpc.REGION in t.parameters:

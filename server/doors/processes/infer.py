@@ -26,7 +26,7 @@ from server.ipc.frames import FrameLink
 from server.names import capped
 from server.doors.grpc import codec
 from server.doors.grpc.errors import status_of
-from server.doors.grpc.passthrough import MalformedBodies, body_parser
+from server.doors.grpc.passthrough import MalformedBodies, body_parser, serialize
 from server.observability.tracing import hop
 
 METHOD = "/inference.GRPCInferenceService/ModelInfer"
@@ -122,7 +122,7 @@ class FrontInfer:
         self.parse = body_parser(pb.ModelInferRequest, "inference.GRPCInferenceService/ModelInfer", bodies)
 
     def handler(self) -> grpc.RpcMethodHandler:
-        return grpc.unary_unary_rpc_method_handler(self.infer, request_deserializer=None, response_serializer=_serialize)
+        return grpc.unary_unary_rpc_method_handler(self.infer, request_deserializer=None, response_serializer=serialize)
 
     async def infer(self, raw: bytes, context):
         arrival = time.monotonic_ns()
@@ -190,8 +190,4 @@ class FrontInfer:
 
 def _names_regions(request: pb.ModelInferRequest) -> bool:
     return any(key in t.parameters for t in (*request.inputs, *request.outputs) for key in _SHM_KEYS)
-
-
-def _serialize(response) -> bytes:
-    return response if isinstance(response, bytes) else response.SerializeToString()
 
