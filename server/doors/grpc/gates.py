@@ -45,13 +45,16 @@ class GatedHandlers(grpc.GenericRpcHandler):
     def __init__(self, handlers: list[grpc.GenericRpcHandler], gates: list[Gate] = ()):
         self._handlers = tuple(handlers)
         self._gates = tuple(reversed(gates))
+        self._found: dict[str, grpc.RpcMethodHandler] = {}  # method -> its handler, once looked up (the services are fixed)
 
     def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = None
-        for handlers in self._handlers:
-            handler = handlers.service(details)
-            if handler is not None:
-                break
+        handler = self._found.get(details.method)
+        if handler is None:  # first call of a method, or no such method (those are not kept: any name may come)
+            for handlers in self._handlers:
+                handler = handlers.service(details)
+                if handler is not None:
+                    self._found[details.method] = handler
+                    break
         for gate in self._gates:
             handler = gate.gate(details, handler)
         return handler

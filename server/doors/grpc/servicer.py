@@ -175,13 +175,14 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
         """The version to serve, the checked request, its classification counts and its output regions (checked
         before any work)."""
         mv = serving(self.registry, request.model_name, request.model_version, INFER)
-        infer, counts = _decode(request, mv, arrival, remaining_s, self._read_shared)
-        return mv, infer, counts, shm_rpc.output_targets(self.shared_memory, request)
+        wanted = request.outputs  # read once: each access of a repeated field builds a new wrapper
+        infer, counts = _decode(request, mv, arrival, remaining_s, self._read_shared, wanted)
+        return mv, infer, counts, (shm_rpc.output_targets(self.shared_memory, wanted) if wanted else {})
 
     async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None):
         """A decoupled model's responses to one request, each encoded as it comes."""
         mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
-        infer, _ = _decode(request, mv, arrival, remaining_s, self._read_shared)
+        infer, _ = _decode(request, mv, arrival, remaining_s, self._read_shared, request.outputs)
         wanted = infer.requested_outputs or tuple(mv.signature.outputs)
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
@@ -201,11 +202,10 @@ def _response(request: pb.ModelInferRequest, mv: ModelVersion, infer: InferReque
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None,
-            read_shared=None) -> tuple[InferRequest, dict[str, int]]:
-    """The checked request, and the outputs asked for as classes (output name -> k; a bad `classification`
-    is refused here, before any work)."""
+            read_shared, wanted) -> tuple[InferRequest, dict[str, int]]:
+    """The checked request, and the outputs asked for (`wanted`: its `outputs`) as classes (output name -> k;
+    a bad `classification` is refused here, before any work)."""
     inputs = codec.decode_inputs(request, read_shared)
-    wanted = request.outputs
     requested = tuple(o.name for o in wanted) if wanted else ()
     params = codec.decode_parameters(request.parameters)
     infer = infer_request(mv, inputs, requested, params, request.id, arrival_ns, remaining_s, _nbytes(request, inputs))

@@ -65,9 +65,8 @@ def input_reader(registry: SharedMemoryRegistry):
     return read
 
 
-def output_targets(registry: SharedMemoryRegistry, request) -> dict:
-    """Requested outputs that name a region -> (Region, Placement), checked before any work."""
-    outputs = request.outputs
+def output_targets(registry: SharedMemoryRegistry, outputs) -> dict:
+    """Requested outputs (a request's `outputs`) that name a region -> (Region, Placement), checked before any work."""
     if not outputs:  # most requests ask for every output, none of them into a region
         return {}
     return registry.targets([p for p in map(_placement, outputs) if p is not None])
