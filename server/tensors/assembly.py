@@ -98,21 +98,21 @@ def assembler_for(signature: Signature) -> Assembler:
 
 
 def join_rows(arrays: list[np.ndarray]) -> np.ndarray:
-    """np.concatenate along dim 0, copying every part without letting go of the GIL.
+    """np.concatenate along dim 0, in one C call that keeps the GIL.
 
     NumPy releases the GIL around each part's copy. With another thread busy in Python, every part
     then waits up to the switch interval (5 ms) to get it back: 23 parts of 64 KiB took 57 ms instead
-    of 0.05 ms next to one busy thread. Copying through memoryviews keeps the GIL for the whole
-    (short) copy. Anything unusual (see copies_as_bytes, or parts that disagree) goes to
-    np.concatenate, which also raises the errors.
+    of 0.05 ms next to one busy thread. bytearray.join copies every part's buffer in one call without
+    letting go (and ~20x faster than copying part by part from Python: 64 parts of 1 KiB in 5.5 us,
+    against 112 us), into a writable buffer the result views. Anything unusual (see copies_as_bytes,
+    or parts that disagree) goes to np.concatenate, which also raises the errors.
     """
     first = arrays[0]
     rest = first.shape[1:]
     if any(a.shape[1:] != rest for a in arrays) or not copies_as_bytes(arrays, first.dtype):
         return np.concatenate(arrays)
-    out = np.empty((sum(a.shape[0] for a in arrays), *rest), first.dtype)
-    copy_rows(out, arrays)
-    return out
+    rows = sum(a.shape[0] for a in arrays)
+    return np.frombuffer(bytearray().join(arrays), first.dtype).reshape((rows, *rest))
 
 
 def _pad(arrays: list[np.ndarray], spec: PaddedInput, longest: int) -> np.ndarray:
