@@ -2,7 +2,8 @@
 
 One assembler per model, chosen at load: plain (join along dim 0) or padded (right-pad every
 variable-length input to the batch's longest member, fill lengths and masks, trim variable-length
-outputs back). Every copy goes through `copy_rows`, the one byte-copy routine.
+outputs back). Rows are joined by `join_rows` (one bytearray.join) and padded rows copied by `copy_rows`;
+both keep the GIL.
 """
 
 from __future__ import annotations
