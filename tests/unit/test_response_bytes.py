@@ -5,7 +5,7 @@ import pytest
 
 from protos import grpc_service_pb2 as pb
 from server.doors.grpc import codec
-from server.doors.grpc.response_bytes import _varint, response_bytes
+from server.doors.grpc.response_bytes import _varint, response_bytes, tensor_response_bytes
 
 RNG = np.random.default_rng(7)
 
@@ -43,3 +43,15 @@ def test_varint_matches_protobuf(value):
     encoded = pb.ModelInferResponse(raw_output_contents=[b""]).SerializeToString()  # tag + length 0
     assert encoded == b"\x32" + _varint(0)
     assert pb.InferParameter(int64_param=value).SerializeToString() == b"\x10" + _varint(value)
+
+
+def test_wire_form_tensors_compose_the_same_bytes_from_any_buffer():
+    """A front-end process's answer: API datatypes and raw buffers (views of its arena) instead of arrays."""
+    arena = bytearray(RNG.integers(0, 255, 4096, dtype=np.uint8).tobytes())
+    a = np.frombuffer(arena, np.float32, 16, 64).reshape(1, 16)
+    b = np.frombuffer(arena, np.int64, 3, 512).reshape(1, 3)
+    request = pb.ModelInferRequest(model_name="m", id="abc")
+    expected = codec.encode_response(request, 2, {"a": a, "b": b}, ("a", "b")).SerializeToString()
+    view = memoryview(arena)
+    layout = (("a", "FP32", (1, 16)), ("b", "INT64", (1, 3)))
+    assert tensor_response_bytes("m", "abc", 2, layout, [view[64:128], bytes(view[512:536])]) == expected

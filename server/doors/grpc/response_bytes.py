@@ -31,15 +31,33 @@ def response_bytes(model_name: str, request_id: str, version: int, outputs: dict
                    order: tuple[str, ...]) -> bytes:
     """The serialized ModelInferResponse answering `outputs` (in `order`), raw contents only."""
     arrays = [outputs[name] for name in order]
-    head, tail = _layout(model_name, version, tuple((name, a.dtype, a.shape) for name, a in zip(order, arrays)))
+    head, tail = _array_layout(model_name, version, tuple((name, a.dtype, a.shape) for name, a in zip(order, arrays)))
+    return _compose(head, request_id, tail, [to_raw(a) for a in arrays])
+
+
+def tensor_response_bytes(model_name: str, request_id: str, version: int, layout: tuple, raws: list) -> bytes:
+    """The same for tensors already in wire form (a front-end process's answer, server/doors/processes):
+    `layout` ((name, API datatype, shape) per output), `raws` each one's bytes (any buffer: a view of the
+    arena is copied once, into the reply)."""
+    head, tail = _layout(model_name, version, layout)
+    return _compose(head, request_id, tail, raws)
+
+
+def _compose(head: bytes, request_id: str, tail: bytes, raws: list) -> bytes:
     parts = [head]
     if request_id:
         parts += (_ID_TAG, _varint(len(encoded := request_id.encode())), encoded)
     parts.append(tail)
-    for array in arrays:
-        raw = to_raw(array)
-        parts += (_RAW_TAG, _varint(len(raw)), raw)
+    for raw in raws:
+        parts += (_RAW_TAG, _varint(len(raw) if raw.__class__ is bytes else memoryview(raw).nbytes), raw)
     return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=_LAYOUTS)
+def _array_layout(model_name: str, version: int, layout: tuple) -> tuple[bytes, bytes]:
+    """`_layout` keyed by numpy dtypes (no API name looked up per reply)."""
+    return _layout(model_name, version, tuple((name, datatypes.from_numpy(dtype).api, shape)
+                                              for name, dtype, shape in layout))
 
 
 @functools.lru_cache(maxsize=_LAYOUTS)
@@ -47,8 +65,8 @@ def _layout(model_name: str, version: int, layout: tuple) -> tuple[bytes, bytes]
     """(fields 1-2: model name and version; field 5: the output entries), serialized by protobuf."""
     head = pb.ModelInferResponse(model_name=model_name, model_version=str(version)).SerializeToString()
     entries = pb.ModelInferResponse()
-    for name, dtype, shape in layout:
-        entries.outputs.add(name=name, datatype=datatypes.from_numpy(dtype).api, shape=shape)
+    for name, datatype, shape in layout:
+        entries.outputs.add(name=name, datatype=datatype, shape=shape)
     return head, entries.SerializeToString()
 
 

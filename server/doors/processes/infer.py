@@ -26,6 +26,7 @@ from server.ipc.frames import FrameLink
 from server.names import capped
 from server.doors.grpc import codec
 from server.doors.grpc.errors import status_of
+from server.doors.grpc.response_bytes import tensor_response_bytes
 from server.doors.grpc.passthrough import MalformedBodies, body_parser, serialize
 from server.observability.tracing import hop
 
@@ -176,14 +177,22 @@ class FrontInfer:
         return self.link.place(tensor.name, tensor.datatype, tuple(array.shape), data)
 
     def _response(self, request: pb.ModelInferRequest, version: int, outputs: list[m.Tensor],
-                  params: dict) -> pb.ModelInferResponse:
-        response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
-        for key, value in params.items():  # the model's response parameters (Triton's Python API)
-            codec.set_parameter(response.parameters[key], value)
+                  params: dict) -> pb.ModelInferResponse | bytes:
+        """The reply, its tensors copied once out of the arena: as bytes (response_bytes.py), or as a message
+        when the model set response parameters."""
         view = self.link.arena.view if self.link.arena is not None else None
-        for t in outputs:
-            response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
-            response.raw_output_contents.append(bytes(t.data) if t.offset is None else bytes(view[t.offset : t.offset + t.nbytes]))
+        raws = [t.data if t.offset is None else view[t.offset : t.offset + t.nbytes] for t in outputs]
+        if params:
+            response = pb.ModelInferResponse(model_name=request.model_name, model_version=str(version), id=request.id)
+            for key, value in params.items():  # the model's response parameters (Triton's Python API)
+                codec.set_parameter(response.parameters[key], value)
+            for t, raw in zip(outputs, raws):
+                response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+                response.raw_output_contents.append(bytes(raw))
+        else:
+            response = tensor_response_bytes(request.model_name, request.id, version,
+                                             tuple((t.name, t.datatype, tuple(t.shape)) for t in outputs), raws)
+        del raws  # no view of the arena outlives the copy: its blocks are handed back next
         self.link.release(outputs)
         return response
 
