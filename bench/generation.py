@@ -206,12 +206,12 @@ async def ferry_run(address: str, jobs, arrivals: list[float], model: str = "ben
 def measure_ferry(address, metrics_url, jobs, arrivals, name, model: str = "bench") -> dict:
     """One run; KV use sampled from `metrics_url` meanwhile (None: not sampled, and nothing perturbed)."""
     samples, stop = [], threading.Event()
-    watchers = [threading.Thread(target=kv_sampler, args=(metrics_url, stop, samples, model), daemon=True)] if metrics_url else []
-    for watcher in watchers:
+    watcher = threading.Thread(target=kv_sampler, args=(metrics_url, stop, samples, model), daemon=True) if metrics_url else None
+    if watcher is not None:
         watcher.start()
     wall, ttft, itl = asyncio.run(ferry_run(address, jobs, arrivals, model))
     stop.set()
-    for watcher in watchers:
+    if watcher is not None:
         watcher.join()
     kv = f"{np.mean(samples):.2f} / {np.max(samples):.2f}" if samples else ""
     return summary(name, sum(n for _, n in jobs), wall, ttft, itl, kv_mean_max=kv)

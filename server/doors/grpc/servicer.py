@@ -139,13 +139,9 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
             if trace is not None:
                 call = self._infer(request, arrival, context.time_remaining(), trace)
                 return await trace_doors.grpc_unary(trace, arrival, context, call)
-        # Untraced (nearly every call): _infer's steps without a coroutine of its own, answered as bytes.
+        # Untraced (nearly every call): _infer's steps without a coroutine of its own, answered as bytes (_reply).
         mv, infer, counts, targets = self._admit(request, arrival, context.time_remaining())
-        outputs = await mv.runner.infer(infer)
-        if counts or targets or parameters_of(outputs):
-            return _response(request, mv, infer, outputs, counts, targets)
-        return response_bytes(request.model_name, request.id, mv.version, outputs,
-                              infer.requested_outputs or tuple(mv.signature.outputs))
+        return _reply(request, mv, infer, await mv.runner.infer(infer), counts, targets)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async def infer_one(request, arrival, trace):
@@ -183,7 +179,7 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
         """A decoupled model's responses to one request, each encoded as it comes."""
         mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
         infer, _ = _decode(request, mv, arrival, remaining_s, self._read_shared, request.outputs)
-        wanted = infer.requested_outputs or tuple(mv.signature.outputs)
+        wanted = _names(infer, mv)
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
         async with contextlib.aclosing(mv.runner.stream(infer)) as responses:
@@ -193,12 +189,25 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
             trace.mark(REQUEST_END)
 
 
+def _reply(request: pb.ModelInferRequest, mv: ModelVersion, infer: InferRequest, outputs: dict, counts: dict[str, int],
+           targets: dict) -> pb.ModelInferResponse | bytes:
+    """ModelInfer's answer: its bytes composed (response_bytes.py) when it is arrays only; the message when it
+    carries classes, outputs in shared memory or the model's response parameters."""
+    if counts or targets or parameters_of(outputs):
+        return _response(request, mv, infer, outputs, counts, targets)
+    return response_bytes(request.model_name, request.id, mv.version, outputs, _names(infer, mv))
+
+
 def _response(request: pb.ModelInferRequest, mv: ModelVersion, infer: InferRequest, outputs: dict, counts: dict[str, int],
               targets: dict) -> pb.ModelInferResponse:
-    names = infer.requested_outputs or tuple(mv.signature.outputs)
     if counts:
         outputs = classified(outputs, counts, mv.signature)
-    return codec.encode_response(request, mv.version, outputs, names, targets)
+    return codec.encode_response(request, mv.version, outputs, _names(infer, mv), targets)
+
+
+def _names(infer: InferRequest, mv: ModelVersion) -> tuple[str, ...]:
+    """The outputs a reply carries, in order: those asked for, else all the model has."""
+    return infer.requested_outputs or tuple(mv.signature.outputs)
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None,
