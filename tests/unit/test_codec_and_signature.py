@@ -27,6 +27,40 @@ def test_raw_numeric_input_is_a_view_over_the_received_bytes():
     assert not array.flags.owndata  # no copy was made
 
 
+def test_a_tensor_header_seen_before_decodes_and_is_refused_as_the_first_time():
+    """Raw tensors are decoded from what their header (name, datatype, shape) was found to mean the first time
+    it came: the arrays, the views and every refusal must be those of the full decode."""
+    def two(a_bytes: bytes, b_name="b", b_params=False):
+        r = raw_request("a", "FP32", [1, 2], a_bytes)
+        tensor = r.inputs.add(name=b_name, datatype="INT64", shape=[1, 3])
+        if b_params:
+            tensor.parameters["shared_memory_region"].string_param = "r"
+        else:
+            r.raw_input_contents.append(np.array([[7, 8, 9]], np.int64).tobytes())
+        return r
+
+    good = np.array([[1.5, -2.0]], np.float32).tobytes()
+    first, again = codec.decode_inputs(two(good)), codec.decode_inputs(two(good))
+    for decoded in (first, again):
+        assert decoded["a"].dtype == np.float32 and decoded["a"].tolist() == [[1.5, -2.0]]
+        assert decoded["b"].dtype == np.int64 and decoded["b"].tolist() == [[7, 8, 9]]
+        assert not decoded["a"].flags.owndata and not decoded["a"].flags.writeable  # views over the received bytes
+    for _ in range(2):  # the header is known now; the wrong size is still refused with the full decode's words
+        with pytest.raises(InvalidInputError, match="raw content is 4 bytes but shape"):
+            codec.decode_inputs(two(good[:4]))
+        with pytest.raises(InvalidInputError, match="appears twice"):
+            codec.decode_inputs(two(good, b_name="a"))
+        with pytest.raises(InvalidInputError, match="dimension -1"):
+            codec.decode_inputs(raw_request("a", "FP32", [-1, 2], good))
+    # A header naming a shared memory region is always the full decode's: the region is read.
+    read = []
+    def read_shared(tensor, dtype, shape):
+        read.append(tensor.name)
+        return np.zeros(shape, dtype.numpy)
+    decoded = codec.decode_inputs(two(good, b_params=True), read_shared)
+    assert read == ["b"] and decoded["b"].shape == (1, 3) and decoded["a"].tolist() == [[1.5, -2.0]]
+
+
 def test_bytes_round_trip_with_length_prefixes():
     values = np.array([b"ab", b"", "é".encode(), b"\x00\xff"], dtype=object).reshape(2, 2)
     raw = codec.to_raw(values)
