@@ -1,6 +1,6 @@
 """The pure parts of bench/peers.py: how rounds become medians, spreads, ratios and orders."""
 
-from bench.peers import describe, rotation, round_ratios, spread
+from bench.peers import ADAPTIVE, CONTROL, FERRY, best_fixed, describe, ferry_systems, rotation, round_ratios, spread
 
 
 def test_spread_is_median_min_max():
@@ -20,3 +20,16 @@ def test_rotation_moves_every_system_to_the_front_in_turn():
     systems = ["a", "b", "c"]
     assert [rotation(systems, r)[0] for r in range(4)] == ["a", "b", "c", "a"]
     assert sorted(rotation(systems, 2)) == systems
+
+
+def test_ferry_variants_name_one_model_each_and_the_control_reuses_the_adaptive_one():
+    assert ferry_systems([1.0], control=False) == {FERRY: "", ADAPTIVE: "_adaptive"}
+    systems = ferry_systems([1.0, 8.0, 0.5], control=True)
+    assert systems == {FERRY: "", "Ferry 8 ms": "_w8", "Ferry 0.5 ms": "_w0p5", ADAPTIVE: "_adaptive", CONTROL: "_adaptive"}
+
+
+def test_the_best_fixed_window_is_the_fixed_variant_with_the_highest_median():
+    systems = ferry_systems([1.0, 8.0], control=True)
+    runs = {FERRY: [{"rps": r} for r in (100, 300, 110)], "Ferry 8 ms": [{"rps": r} for r in (200, 190, 210)],
+            ADAPTIVE: [{"rps": 999}] * 3, CONTROL: [{"rps": 999}] * 3}
+    assert best_fixed(runs, systems) == "Ferry 8 ms"  # the 1 ms window's one fast round does not make it best

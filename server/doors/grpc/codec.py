@@ -47,20 +47,7 @@ def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, 
             return inputs
     sent = list(request.inputs)  # each tensor's wrapper built once, for both passes
     if raw:
-        inline = 0
-        for t in sent:
-            if t.HasField("contents"):  # Triton's words first: its example clients match on them
-                raise InvalidInputError(
-                    f"contents field must not be specified when using raw_input_contents for {shown(t.name)} for model "
-                    f"{shown(request.model_name)}: send every input raw or every input typed"
-                )
-            if shared_memory.REGION not in t.parameters:
-                inline += 1
-        if len(raw) != inline:
-            raise InvalidInputError(
-                f"request has {inline} inputs sent in the request but {len(raw)} raw_input_contents entries; send one "
-                "per input not in shared memory, in order"
-            )
+        _check_raw_entries(request, sent, raw)
     inputs, index = {}, 0
     for tensor in sent:
         name = tensor.name
@@ -82,6 +69,24 @@ def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, 
         else:
             inputs[name] = _from_typed(tensor, dtype, shape)
     return inputs
+
+
+def _check_raw_entries(request: pb.ModelInferRequest, sent: list, raw) -> None:
+    """Raw contents come for every input not in shared memory, one entry each, and typed contents for none."""
+    inline = 0
+    for t in sent:
+        if t.HasField("contents"):  # Triton's words first: its example clients match on them
+            raise InvalidInputError(
+                f"contents field must not be specified when using raw_input_contents for {shown(t.name)} for model "
+                f"{shown(request.model_name)}: send every input raw or every input typed"
+            )
+        if shared_memory.REGION not in t.parameters:
+            inline += 1
+    if len(raw) != inline:
+        raise InvalidInputError(
+            f"request has {inline} inputs sent in the request but {len(raw)} raw_input_contents entries; send one "
+            "per input not in shared memory, in order"
+        )
 
 
 def _plain_raw(sent, raw) -> dict[str, np.ndarray] | None:
