@@ -33,6 +33,35 @@ def test_a_cycle_parked_at_startup_is_freed_by_reclaim_after_an_unload():
         gc.unfreeze()
 
 
+def test_after_startup_the_objects_of_requests_in_flight_trigger_no_collection():
+    """At 64 clients ~2,600 young container objects are alive at once (server/heap.py): with the default
+    threshold the collector walks them every 700 allocations; once parked, it does not run at all."""
+    collections = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 0:
+            collections.append(info)
+
+    def in_flight():
+        collections.clear()
+        alive = [{"request": i} for i in range(2600)]  # tracked containers, as requests' dicts are
+        del alive
+        return len(collections)
+
+    saved = gc.get_threshold()
+    gc.callbacks.append(count)
+    try:
+        gc.set_threshold(700, *saved[1:])
+        assert in_flight() >= 3
+        heap.park()
+        assert gc.get_threshold()[0] == heap.GEN0_THRESHOLD
+        assert in_flight() == 0
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*saved)
+        gc.unfreeze()
+
+
 def test_reclaim_does_nothing_where_nothing_was_parked():
     gc.unfreeze()
     heap.reclaim()
