@@ -2,8 +2,9 @@
 
 It decodes the input into a numpy view and answers a fixed 16-float output: the most requests per
 second any Python server can answer on this machine, the ceiling Ferry's light-model figure is
-measured against. It runs on the event loop Ferry runs on by default (server/event_loop.py) and
-registers its handler the way Ferry does, so the floor is as low as Ferry's own loop and gRPC allow.
+measured against. It runs on the event loop Ferry runs on by default (server/event_loop.py), with the
+cycle collector set as Ferry sets it (server/heap.py), and registers its handler the way Ferry does, so
+the floor is as low as Ferry's own loop, collector and gRPC allow.
 
     python -m bench.floor_server [PORT] [--batched]
 
@@ -25,7 +26,7 @@ import numpy as np
 
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
-from server import event_loop
+from server import event_loop, heap
 
 
 class Floor(pb_grpc.GRPCInferenceServiceServicer):
@@ -88,6 +89,7 @@ async def main(port: int, batched: bool) -> None:
                                                                           {"ModelInfer": handler}),))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
+    heap.park()  # the collector's settings Ferry serves with (server/heap.py): its savings are the floor's too
     print(f"ferry: serving gRPC on 127.0.0.1:{bound}\nferry: ready", flush=True)
     await server.wait_for_termination()
 
