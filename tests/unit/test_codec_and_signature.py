@@ -61,6 +61,17 @@ def test_a_tensor_header_seen_before_decodes_and_is_refused_as_the_first_time():
     assert read == ["b"] and decoded["b"].shape == (1, 3) and decoded["a"].tolist() == [[1.5, -2.0]]
 
 
+def test_long_tensor_headers_are_decoded_but_never_kept():
+    """What a header was found to mean is kept only for short headers: a client sending huge names holds no
+    memory in the decoder between its requests."""
+    long_name = "n" * 100_000
+    kept = codec._raw_plan.cache_info().currsize
+    for _ in range(2):
+        decoded = codec.decode_inputs(raw_request(long_name, "INT32", [2], np.array([4, 5], np.int32).tobytes()))
+        assert decoded[long_name].tolist() == [4, 5]
+    assert codec._raw_plan.cache_info().currsize == kept
+
+
 def test_bytes_round_trip_with_length_prefixes():
     values = np.array([b"ab", b"", "é".encode(), b"\x00\xff"], dtype=object).reshape(2, 2)
     raw = codec.to_raw(values)

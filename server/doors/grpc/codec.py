@@ -35,6 +35,7 @@ _RESERVED_TRITON_KEYS = {"triton_enable_empty_final_response"}
 _NARROW_INTS = {"INT8", "INT16", "UINT8", "UINT16"}
 _BY_API = datatypes.BY_API
 _InputTensor = pb.ModelInferRequest.InferInputTensor
+_PLANNED_HEADER_BYTES = 256  # longer tensor headers (a long name, many dims) are decoded in full, never kept
 
 
 def decode_inputs(request: pb.ModelInferRequest, read_shared=None) -> dict[str, np.ndarray]:
@@ -97,7 +98,8 @@ def _plain_raw(sent, raw) -> dict[str, np.ndarray] | None:
         return None
     inputs = {}
     for tensor, data in zip(sent, raw):
-        plan = _raw_plan(tensor.SerializeToString())
+        header = tensor.SerializeToString()
+        plan = _raw_plan(header) if len(header) <= _PLANNED_HEADER_BYTES else None
         if plan is None or len(data) != plan[3]:
             return None
         name = plan[0]
@@ -112,8 +114,9 @@ def _raw_plan(metadata: bytes) -> tuple[str, np.dtype, tuple[int, ...], int] | N
     """(name, numpy dtype, shape, byte size) of a raw tensor whose metadata (name, datatype, shape: the tensor
     message without contents) serializes to `metadata`; None where the full decode must look (parameters,
     typed contents, BYTES, an unknown datatype or a refused shape). Clients send the same few tensor headers
-    over and over: their checks run once per header instead of once per request (bounded: a client varying
-    its shapes only evicts entries)."""
+    over and over: their checks run once per header instead of once per request. Bounded in entries and, by
+    _PLANNED_HEADER_BYTES, in their size: a client varying its headers only evicts entries, and one sending
+    megabyte names holds no memory here."""
     tensor = _InputTensor.FromString(metadata)
     dtype = _BY_API.get(tensor.datatype)
     if tensor.parameters or tensor.HasField("contents") or dtype is None or dtype.api == "BYTES":
