@@ -9,10 +9,11 @@ use, so an unload hands everything back to the collector once and parks what sur
 The youngest generation is collected every 700 net allocations of container objects by default, and a
 request in flight holds about 40 of them (its message wrappers, dicts, future, coroutine frames, gRPC's
 call state) for as long as it waits in a batching window: at 64 clients that is ~2,600 live young objects,
-so the collector ran every ~17 requests and walked them all each time, promoting them to be walked again
-in the next generation. Measured on the served light model at 64 clients (bench/hotpath.py's load): 7.5-8.3
-us of collection per request at 700, 2.4 us at 7,000, 1.7-2.3 us at 10,000 (about 2% of the loop's CPU per
-request). A collection's pause grows with the threshold while the saving flattens: 10,000 after startup.
+so the collector ran every ~17 requests and walked them all each time. Measured on the served light model
+at 64 clients (bench/hotpath.py's load, gc.callbacks): collection time per request / longest pause were
+4.9-8.3 us / 0.3-0.8 ms at 700, 2.7-3.2 us / 1.4-1.9 ms at 3,000, 1.7-2.3 us / 4.1-4.4 ms at 10,000. The
+pause grows with the threshold while the saving flattens past what requests in flight hold: 3,000 after
+startup (Python 3.13's own default is 2,000).
 
 glibc serves an allocation above its mmap threshold (dynamic, at most 32 MiB) with a fresh mapping and
 gives the top of the heap back to the kernel past its trim threshold: either way the next step's
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 * 2**20  # glibc's largest: allocations up to this size come from the heap
 TRIM_THRESHOLD = 2**31 - 1  # never give the heap's top back between steps
-GEN0_THRESHOLD = 10_000  # container allocations between two collections of the youngest generation (default 700)
+GEN0_THRESHOLD = 3_000  # container allocations between two collections of the youngest generation (default 700)
 ONEDNN_CACHE = "16384"  # oneDNN primitive cache entries (its default: 1,024), read at its first primitive
 
 
