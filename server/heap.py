@@ -13,7 +13,7 @@ so the collector ran every ~17 requests and walked them all each time. Measured 
 at 64 clients (bench/hotpath.py's load, gc.callbacks): collection time per request / longest pause were
 4.9-8.3 us / 0.3-0.8 ms at 700, 2.7-3.2 us / 1.4-1.9 ms at 3,000, 1.7-2.3 us / 4.1-4.4 ms at 10,000. The
 pause grows with the threshold while the saving flattens past what requests in flight hold: 3,000 after
-startup (Python 3.13's own default is 2,000).
+startup.
 
 glibc serves an allocation above its mmap threshold (dynamic, at most 32 MiB) with a fresh mapping and
 gives the top of the heap back to the kernel past its trim threshold: either way the next step's
