@@ -59,6 +59,7 @@ POLICIES = {
     "fixed 8ms": "dynamic_batching: {max_queue_delay_microseconds: 8000}\n",
     "adaptive": "dynamic_batching: {latency_target_ms: TARGET}\n",
 }
+CONTROL = "adaptive again"  # --control: the adaptive window a second time, its own model
 
 
 def session(path: Path, threads: int = 0) -> ort.InferenceSession:
@@ -117,9 +118,6 @@ def build_repository(root: Path, raw_dir: Path) -> None:
             (root / name / "config.yaml").write_text(
                 "max_batch_size: 128\n" + INSTANCES[family] + text.replace("TARGET", str(target)))
         builder(raw_dir / f"{family}.onnx")
-
-
-CONTROL = "adaptive again"  # --control: the adaptive window a second time, its own model
 
 
 def model_name(family: str, policy: str) -> str:
