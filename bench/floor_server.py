@@ -6,12 +6,17 @@ measured against. It runs on the event loop Ferry runs on by default (server/eve
 cycle collector set as Ferry sets it (server/heap.py), and registers its handler the way Ferry does, so
 the floor is as low as Ferry's own loop, collector and gRPC allow.
 
-    python -m bench.floor_server [PORT] [--batched]
+    python -m bench.floor_server [PORT] [--batched [--model MODEL.onnx]]
 
 `--batched`: each request waits for an answer handed back from a worker thread, one hand-back for all
 the requests that queued while the thread was busy: the hop any batching server makes (a future per
 request, a thread, one call_soon_threadsafe per batch), with nothing else. bench/hotpath.py runs it
 beside the plain floor to tell that hop's cost from the rest of Ferry's.
+
+`--model`: the batching hop's thread also runs that ONNX model (one input, one output, rows stacked with
+np.concatenate, the session set up as Ferry sets up its own) and answers each request its row: the
+smallest batching server that does the work Ferry does, so the CPU the model takes from a small machine's
+event loop and clients is counted on both sides.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import asyncio
 import queue
 import sys
 import threading
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -78,9 +84,54 @@ class BatchedFloor(Floor):
         return await super().ModelInfer(request, context)
 
 
-async def main(port: int, batched: bool) -> None:
+class ModelFloor(BatchedFloor):
+    """The batching hop whose thread runs the model on each batch's stacked rows."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, model: Path):
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()  # as server/backends/onnx_runtime.py sets it by default
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+        self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
+        self.input = self.session.get_inputs()[0].name
+        self.output_name = self.session.get_outputs()[0].name
+        super().__init__(loop)
+
+    def _worker(self) -> None:
+        while True:
+            batch = self.batches.get()
+            rows = np.concatenate([x for _, x in batch])
+            y = self.session.run(None, {self.input: rows})[0]
+            answers, start = [], 0
+            for _, x in batch:
+                answers.append(y[start:start + len(x)].tobytes())
+                start += len(x)
+            self.loop.call_soon_threadsafe(self._answer_rows, batch, answers)
+
+    def _answer_rows(self, batch: list, answers: list[bytes]) -> None:
+        for (future, _), answer in zip(batch, answers):
+            if not future.done():
+                future.set_result(answer)
+        self.busy = False
+        self._dispatch()
+
+    async def ModelInfer(self, request, context):
+        x = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(tuple(request.inputs[0].shape))
+        future = self.loop.create_future()
+        self.queued.append((future, x))
+        self._dispatch()
+        y = await future
+        response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+        response.outputs.add(name=self.output_name, datatype="FP32", shape=[x.shape[0], len(y) // 4 // x.shape[0]])
+        response.raw_output_contents.append(y)
+        return response
+
+
+async def main(port: int, batched: bool, model: Path | None) -> None:
     server = grpc.aio.server()
-    floor = BatchedFloor(asyncio.get_running_loop()) if batched else Floor()
+    loop = asyncio.get_running_loop()
+    floor = (ModelFloor(loop, model) if model else BatchedFloor(loop)) if batched else Floor()
     # A generic handler only, as Ferry registers its services (server/doors/grpc/gates.py): grpc.aio waits
     # on every *registered* method's pending call for each call it accepts, which costs a floor as much.
     handler = grpc.unary_unary_rpc_method_handler(floor.ModelInfer, request_deserializer=pb.ModelInferRequest.FromString,
@@ -95,5 +146,7 @@ async def main(port: int, batched: bool) -> None:
 
 
 if __name__ == "__main__":
-    numbers = [a for a in sys.argv[1:] if a.isdigit()]
-    event_loop.run(main(int(numbers[0]) if numbers else 0, "--batched" in sys.argv[1:]))
+    argv = sys.argv[1:]
+    numbers = [a for a in argv if a.isdigit()]
+    model_path = Path(argv[argv.index("--model") + 1]) if "--model" in argv else None
+    event_loop.run(main(int(numbers[0]) if numbers else 0, "--batched" in argv or model_path is not None, model_path))

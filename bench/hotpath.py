@@ -1,7 +1,8 @@
 """Server CPU per request on the light model (or a Python model): Ferry against the bare grpc.aio handler, same run.
 
     python -m bench.hotpath [--requests 6000] [--rounds 5] [--concurrency 64] [--window-us 1000]
-                            [--max-batch 128] [--baseline COMMIT] [--hop] [--adaptive-ms 50] [--python] [--profile 20]
+                            [--max-batch 128] [--baseline COMMIT] [--hop] [--hop-model] [--adaptive-ms 50] [--python]
+                            [--profile 20]
                             [--no-record]
 
 On an overhead-bound model Ferry's throughput is set by the CPU its event loop spends per request, so
@@ -26,6 +27,11 @@ compares the code's cost per request and per batch without that feedback.
 `--hop`: a third server, the floor behind a batching hop (bench/floor_server.py --batched: a future per
 request, a worker thread, one hand-back per batch): how much of Ferry's cost above the floor any batching
 server pays, and how much is Ferry's own code.
+
+`--hop-model`: a further server, that hop with the light MLP run on each batch's rows in its thread
+(bench/floor_server.py --model): the smallest batching server doing Ferry's work. The floor answers without
+running the model; on a 2-core machine the model's CPU is taken from the event loop and the load generator
+both, so this, not the floor, is what Ferry's requests/s can reach with nothing of its own.
 
 `--adaptive-ms T`: a third server, Ferry behind the adaptive window (latency target T ms) instead of the
 fixed one, in the same rounds (and, with --profile, profiled too): what the adaptive window costs. With
@@ -60,6 +66,7 @@ from bench import common, models, peers
 from clients import loadgen
 
 FERRY, FLOOR, BASELINE, HOP, ADAPTIVE = "Ferry", "floor", "Ferry baseline", "floor + batching hop", "Ferry adaptive"
+MODEL_HOP = "floor + batching hop + model"
 ADAPTIVE_BASELINE = "Ferry adaptive baseline"
 FERRIES = (FERRY, BASELINE, ADAPTIVE, ADAPTIVE_BASELINE)
 MODEL = "light"
@@ -175,6 +182,8 @@ def render(runs: dict[str, list[dict]], args: argparse.Namespace) -> str:
     lines.append("")
     pairs = [(FERRY, FLOOR)] + ([(BASELINE, FLOOR), (FERRY, BASELINE)] if BASELINE in runs else []) + (
         [(HOP, FLOOR), (FERRY, HOP)] if HOP in runs else []) + (
+        [(MODEL_HOP, FLOOR), (FERRY, MODEL_HOP)] + ([(ADAPTIVE, MODEL_HOP)] if ADAPTIVE in runs else [])
+        if MODEL_HOP in runs else []) + (
         [(ADAPTIVE, FLOOR), (ADAPTIVE, FERRY)] if ADAPTIVE in runs else []) + (
         [(ADAPTIVE, ADAPTIVE_BASELINE)] if ADAPTIVE_BASELINE in runs else [])
     for top, bottom in pairs:
@@ -249,6 +258,9 @@ def measure_all(repo: Path, load: list[bytes], args: argparse.Namespace, tmp: Pa
         servers[FLOOR] = common.start_server([sys.executable, "-m", "bench.floor_server", "0"])
         if args.hop:
             servers[HOP] = common.start_server([sys.executable, "-m", "bench.floor_server", "0", "--batched"])
+        if args.hop_model:
+            servers[MODEL_HOP] = common.start_server([sys.executable, "-m", "bench.floor_server", "0", "--batched",
+                                                      "--model", str(repo / MODEL / "1" / "model.onnx")])
         if args.baseline:
             servers[BASELINE] = start_baseline(args.baseline, repo, Path(tmp), "baseline")
             if args.adaptive_ms:
@@ -278,6 +290,8 @@ def main() -> None:
                         help="also serve Ferry as of this git commit (e.g. main) in the same rounds: before/after")
     parser.add_argument("--hop", action="store_true",
                         help="also run the floor behind a batching hop (bench/floor_server.py --batched)")
+    parser.add_argument("--hop-model", action="store_true",
+                        help="also run that hop with the model run on each batch (bench/floor_server.py --model)")
     parser.add_argument("--adaptive-ms", type=int, default=0, metavar="TARGET",
                         help="also serve Ferry behind the adaptive window with this latency target (and profile it too)")
     parser.add_argument("--python", action="store_true", help="NVIDIA's add_sub as a Triton-API Python model instead of "
@@ -285,6 +299,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="then profile Ferry's loop and print this many functions")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
+    if args.python and args.hop_model:
+        parser.error("--hop-model runs the light MLP: not with --python")
     if args.python and args.adaptive_ms:
         parser.error("--python serves add_sub as NVIDIA ships it (no batching): no adaptive window to compare")
     load = payloads(python=args.python)
