@@ -96,6 +96,7 @@ class ModelFloor(BatchedFloor):
         self.session = ort.InferenceSession(str(model), options, providers=["CPUExecutionProvider"])
         self.input = self.session.get_inputs()[0].name
         self.output_name = self.session.get_outputs()[0].name
+        self.rows = self.batches_run = 0  # its ModelStatistics: the mean batch it forms, beside Ferry's
         super().__init__(loop)
 
     def _worker(self) -> None:
@@ -103,6 +104,8 @@ class ModelFloor(BatchedFloor):
             batch = self.batches.get()
             rows = np.concatenate([x for _, x in batch])
             y = self.session.run(None, {self.input: rows})[0]
+            self.rows += len(rows)
+            self.batches_run += 1
             answers, start = [], 0
             for _, x in batch:
                 answers.append(y[start:start + len(x)].tobytes())
@@ -127,6 +130,11 @@ class ModelFloor(BatchedFloor):
         response.raw_output_contents.append(y)
         return response
 
+    async def ModelStatistics(self, request, context):
+        stats = pb.ModelStatisticsResponse()
+        stats.model_stats.add(name=request.name, version="1", inference_count=self.rows, execution_count=self.batches_run)
+        return stats
+
 
 async def main(port: int, batched: bool, model: Path | None) -> None:
     server = grpc.aio.server()
@@ -136,8 +144,12 @@ async def main(port: int, batched: bool, model: Path | None) -> None:
     # on every *registered* method's pending call for each call it accepts, which costs a floor as much.
     handler = grpc.unary_unary_rpc_method_handler(floor.ModelInfer, request_deserializer=pb.ModelInferRequest.FromString,
                                                   response_serializer=pb.ModelInferResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService",
-                                                                          {"ModelInfer": handler}),))
+    methods = {"ModelInfer": handler}
+    if model:
+        methods["ModelStatistics"] = grpc.unary_unary_rpc_method_handler(
+            floor.ModelStatistics, request_deserializer=pb.ModelStatisticsRequest.FromString,
+            response_serializer=pb.ModelStatisticsResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("inference.GRPCInferenceService", methods),))
     bound = server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     heap.park()  # the collector's settings Ferry serves with (server/heap.py): its savings are the floor's too

@@ -158,7 +158,8 @@ def measure(servers: dict, load: list[bytes], args: argparse.Namespace) -> dict[
         k = r % len(names)
         for name in names[k:] + names[:k]:
             proc, address = servers[name]
-            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests, name in FERRIES))
+            runs[name].append(run_once(proc.pid, address, load, args.concurrency, args.requests,
+                                       name in FERRIES or name == MODEL_HOP))
         print(f"hotpath: round {r + 1}: " + "  ".join(
             f"{n}: loop {runs[n][-1]['loop_us']:.0f} us, process {runs[n][-1]['process_us']:.0f} us" for n in names), flush=True)
     return runs
