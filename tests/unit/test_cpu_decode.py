@@ -99,3 +99,14 @@ def test_without_a_compiler_the_engine_keeps_gather_and_sdpa(monkeypatch, tmp_pa
     monkeypatch.setattr(cpu_decode.sysconfig, "get_config_var", lambda name: None)
     assert cpu_decode.load(torch.device("cpu"), torch.float32, 1, 1) is None
     assert "could not be built" in caplog.text
+
+
+def test_a_kernel_built_before_serves_a_machine_without_a_compiler(monkeypatch, tmp_path):
+    monkeypatch.setenv("FERRY_KERNEL_CACHE", str(tmp_path))
+    built = cpu_decode._build()  # built here, where there is a compiler
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # then none at all
+    monkeypatch.setattr(cpu_decode.sysconfig, "get_config_var", lambda name: None)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_decode._compiler()
+    assert cpu_decode._build() == built
+    assert cpu_decode.load(torch.device("cpu"), torch.float32, 1, 1) is not None

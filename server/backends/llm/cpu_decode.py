@@ -215,14 +215,16 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    """The shared library for this source, compiler, flags and CPU; built once, then reused. Servers
-    starting together may build it at once: each writes its own file and renames it into place."""
-    compiler = _compiler()
-    key = hashlib.sha256("\0".join([_SOURCE, *compiler, *_FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
+    """The shared library for this source, flags and CPU; built once, then reused. Looked up before any
+    compiler is: a cache filled where one was (FERRY_KERNEL_CACHE in an image's build stage) serves a
+    machine that has none. Servers starting together may build it at once: each writes its own file and
+    renames it into place."""
+    key = hashlib.sha256("\0".join([_SOURCE, *_FLAGS, platform.machine(), _cpu_flags()]).encode()).hexdigest()[:16]
     folder = _cache_dir()
     target = folder / f"ferry_decode_{key}.so"
     if target.exists():
         return target
+    compiler = _compiler()
     source = folder / f"ferry_decode_{key}.{os.getpid()}.c"
     partial = folder / f"ferry_decode_{key}.{os.getpid()}.so"
     source.write_text(_SOURCE)
