@@ -106,11 +106,7 @@ class ModelFloor(BatchedFloor):
             y = self.session.run(None, {self.input: rows})[0]
             self.rows += len(rows)
             self.batches_run += 1
-            answers, start = [], 0
-            for _, x in batch:
-                answers.append(y[start:start + len(x)].tobytes())
-                start += len(x)
-            self.loop.call_soon_threadsafe(self._answer_rows, batch, answers)
+            self.loop.call_soon_threadsafe(self._answer_rows, batch, split_rows(y, [x for _, x in batch]))
 
     def _answer_rows(self, batch: list, answers: list[bytes]) -> None:
         for (future, _), answer in zip(batch, answers):
@@ -134,6 +130,11 @@ class ModelFloor(BatchedFloor):
         stats = pb.ModelStatisticsResponse()
         stats.model_stats.add(name=request.name, version="1", inference_count=self.rows, execution_count=self.batches_run)
         return stats
+
+
+def split_rows(y: np.ndarray, parts: list[np.ndarray]) -> list[bytes]:
+    """The rows of a batch's output that answer each of its parts, in order."""
+    return [rows.tobytes() for rows in np.split(y, np.cumsum([len(x) for x in parts])[:-1])]
 
 
 async def main(port: int, batched: bool, model: Path | None) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from bench import common, models
+from bench.floor_server import split_rows
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 
@@ -35,3 +36,9 @@ def test_the_model_hop_answers_each_request_its_own_rows(tmp_path):
         y = np.frombuffer(answer.raw_output_contents[0], np.float32).reshape(len(x), 16)
         np.testing.assert_allclose(y, session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
     assert stats.inference_count == 6 and 1 <= stats.execution_count <= 3
+
+
+def test_a_batch_output_is_split_back_into_each_requests_rows():
+    parts = [np.zeros((1, 4)), np.zeros((3, 4)), np.zeros((2, 4))]
+    y = np.arange(6 * 2, dtype=np.float32).reshape(6, 2)
+    assert split_rows(y, parts) == [y[0:1].tobytes(), y[1:4].tobytes(), y[4:6].tobytes()]
