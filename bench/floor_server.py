@@ -40,11 +40,7 @@ class Floor(pb_grpc.GRPCInferenceServiceServicer):
         self.output = np.zeros((1, 16), np.float32).tobytes()
 
     async def ModelInfer(self, request, context):
-        x = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(tuple(request.inputs[0].shape))
-        response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-        response.outputs.add(name="y", datatype="FP32", shape=[x.shape[0], 16])
-        response.raw_output_contents.append(self.output)
-        return response
+        return _response(request, "y", _rows(request).shape[0], 16, self.output)
 
 
 class BatchedFloor(Floor):
@@ -61,12 +57,12 @@ class BatchedFloor(Floor):
     def _worker(self) -> None:
         while True:
             batch = self.batches.get()
-            self.loop.call_soon_threadsafe(self._answer, batch)
+            self.loop.call_soon_threadsafe(self._answer, batch, [self.output] * len(batch))
 
-    def _answer(self, batch: list[asyncio.Future]) -> None:
-        for future in batch:
+    def _answer(self, futures: list[asyncio.Future], answers: list[bytes]) -> None:
+        for future, answer in zip(futures, answers):
             if not future.done():
-                future.set_result(self.output)
+                future.set_result(answer)
         self.busy = False
         self._dispatch()
 
@@ -106,30 +102,32 @@ class ModelFloor(BatchedFloor):
             y = self.session.run(None, {self.input: rows})[0]
             self.rows += len(rows)
             self.batches_run += 1
-            self.loop.call_soon_threadsafe(self._answer_rows, batch, split_rows(y, [x for _, x in batch]))
-
-    def _answer_rows(self, batch: list, answers: list[bytes]) -> None:
-        for (future, _), answer in zip(batch, answers):
-            if not future.done():
-                future.set_result(answer)
-        self.busy = False
-        self._dispatch()
+            self.loop.call_soon_threadsafe(self._answer, [f for f, _ in batch], split_rows(y, [x for _, x in batch]))
 
     async def ModelInfer(self, request, context):
-        x = np.frombuffer(request.raw_input_contents[0], np.float32).reshape(tuple(request.inputs[0].shape))
+        x = _rows(request)
         future = self.loop.create_future()
         self.queued.append((future, x))
         self._dispatch()
         y = await future
-        response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
-        response.outputs.add(name=self.output_name, datatype="FP32", shape=[x.shape[0], len(y) // 4 // x.shape[0]])
-        response.raw_output_contents.append(y)
-        return response
+        return _response(request, self.output_name, x.shape[0], len(y) // 4 // x.shape[0], y)
 
     async def ModelStatistics(self, request, context):
         stats = pb.ModelStatisticsResponse()
         stats.model_stats.add(name=request.name, version="1", inference_count=self.rows, execution_count=self.batches_run)
         return stats
+
+
+def _rows(request: pb.ModelInferRequest) -> np.ndarray:
+    """The request's one FP32 input, a view over its raw bytes."""
+    return np.frombuffer(request.raw_input_contents[0], np.float32).reshape(tuple(request.inputs[0].shape))
+
+
+def _response(request: pb.ModelInferRequest, name: str, rows: int, width: int, data: bytes) -> pb.ModelInferResponse:
+    response = pb.ModelInferResponse(model_name=request.model_name, model_version="1", id=request.id)
+    response.outputs.add(name=name, datatype="FP32", shape=[rows, width])
+    response.raw_output_contents.append(data)
+    return response
 
 
 def split_rows(y: np.ndarray, parts: list[np.ndarray]) -> list[bytes]:
