@@ -80,10 +80,14 @@ class KServeRoutes:
         return [Route(path, handler, methods=[method]) for path, handler, method in table]
 
     async def live(self, request: Request) -> Response:
-        return Response(status_code=200 if self.health.live else 400)  # Triton: 400 when not live/ready
+        """Triton's status (400 when not live/ready), which tritonclient reads, with the body KServe's servers
+        send and its SDK parses (`InferenceRESTClient.is_server_live` reads `live` from the JSON)."""
+        live = bool(self.health.live)
+        return JSONResponse({"live": live}, status_code=200 if live else 400)
 
     async def ready(self, request: Request) -> Response:
-        return Response(status_code=200 if self.health.ready else 400)
+        ready = bool(self.health.ready)
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 400)
 
     async def server_metadata(self, request: Request) -> Response:
         return JSONResponse({"name": self.server_name, "version": __version__, "extensions": EXTENSIONS})
@@ -97,7 +101,7 @@ class KServeRoutes:
             ready = await model_ready(self.registry.get(name, version))
         except (ModelNotFoundError, ModelUnavailableError):  # a known model whose version cannot serve
             ready = False
-        return Response(status_code=200 if ready else 400)
+        return JSONResponse({"name": name, "ready": ready}, status_code=200 if ready else 400)
 
     @kserve_errors
     async def model_metadata(self, request: Request) -> Response:
