@@ -68,7 +68,7 @@ _GRPC_BY_SERVICE = {  # methods not listed above, by service
 _GRPC_DEFAULT = Operation(INFERENCE)
 
 # HTTP routes by the first segments of their path; model routes by their last segment.
-_HTTP_PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})
+HTTP_PROBES = frozenset({"/v2/health/live", "/v2/health/ready", "/health", "/ping"})  # vLLM's too (http/probes.py)
 _HTTP_MODEL_SUFFIX = {"ready": Operation(HEALTH), "config": Operation(MODEL_CONFIG), "stats": Operation(STATISTICS),
                       "infer": Operation(INFERENCE), "generate": Operation(INFERENCE),
                       "generate_stream": Operation(INFERENCE)}
@@ -82,7 +82,7 @@ def grpc_operation(method: str) -> Operation:
 
 
 def http_operation(path: str) -> Operation:
-    if path in _HTTP_PROBES:
+    if path in HTTP_PROBES:
         return Operation(HEALTH, probe=True)
     if path.startswith("/v1/"):
         return Operation(INFERENCE)  # the OpenAI API

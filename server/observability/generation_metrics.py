@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from server.observability.vllm_metrics import LATENCIES, VllmFamilies
+
 _LABELS = ("model", "version")
 # counter name -> PrefixCacheStats field (scheduling/prefix_cache.py)
 _PREFIX_COUNTERS = {"prefix_query_tokens": "query_tokens", "prefix_hit_tokens": "hit_tokens",
@@ -16,6 +18,8 @@ _PREFIX_COUNTERS = {"prefix_query_tokens": "query_tokens", "prefix_hit_tokens": 
 _STEP_TOKEN_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096 tokens
 # counter name -> SpeculativeStats field (scheduling/speculative.py); vLLM's spec_decode names
 _SPEC_COUNTERS = {"spec_drafts": "drafts", "spec_draft_tokens": "draft_tokens", "spec_accepted_tokens": "accepted_tokens"}
+# PrefixCacheStats counter -> the vLLM counter of the same tokens
+_VLLM_PREFIX = {"prefix_query_tokens": "prefix_queries", "prefix_hit_tokens": "prefix_hits"}
 _TOKEN_BUCKETS_US = (1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
 
 
@@ -32,6 +36,9 @@ class GenerationFamilies:
         self.kv_used = gauge("ferry_kv_blocks_used", "KV cache blocks in use")
         self.kv_total = gauge("ferry_kv_blocks_total", "KV cache blocks in the pool")
         self.fragmentation = gauge("ferry_kv_fragmentation", "Allocated but unfilled KV slots / allocated slots")
+        self.prompt_tokens = Counter("ferry_prompt_tokens", "Prompt tokens of the sequences that reached their first "
+                                     "token (cached prefix tokens included, as vLLM counts them)", _LABELS, registry=registry)
+        self.generation_tokens = Counter("ferry_generation_tokens", "Tokens generated", _LABELS, registry=registry)
         self.preemptions = Counter("ferry_preemptions", "Sequences preempted (freed and later recomputed)", _LABELS, registry=registry)
         self.step_reruns = Counter("ferry_generation_step_reruns", "Extra model passes spent isolating the sequences "
                                    "a raising step failed on (the others were kept)", _LABELS, registry=registry)
@@ -66,6 +73,7 @@ class GenerationFamilies:
                                  "streaming its tokens (what a decode waits between two tokens)")
         self.step_tokens = Histogram("ferry_generation_step_tokens", "Tokens one model step computed (decodes plus "
                                      "prompt chunks)", _LABELS, buckets=_STEP_TOKEN_BUCKETS, registry=registry)
+        self.vllm = VllmFamilies(registry)  # the same figures under vLLM's names
 
 
 class GenerationStats:
@@ -74,14 +82,15 @@ class GenerationStats:
     def __init__(self, families: GenerationFamilies | None, model: str, version: int):
         self.preemptions = 0
         self.step_reruns = 0
-        self._c = None
+        self._c = self._v = None
         if families is not None:
+            self._v = families.vllm.children(model)
             labels = {"model": model, "version": str(version)}
             self._c = {name: getattr(families, name).labels(**labels) for name in (
                 "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
                 "queue_us", "ttft_us", "itl_us", "e2e_us", "step_us", "step_tokens", "kv_cached", *_PREFIX_COUNTERS,
                 "prefix_hit_rate_tokens", "prefix_hit_rate_blocks", *_SPEC_COUNTERS, "spec_acceptance_rate",
-                "shared_prefix_reads")}
+                "shared_prefix_reads", "prompt_tokens", "generation_tokens")}
         self._prefix_seen = dict.fromkeys(_PREFIX_COUNTERS, 0)
         self._spec_seen = dict.fromkeys(_SPEC_COUNTERS, 0)
         self._shared_reads_seen = 0
@@ -92,6 +101,8 @@ class GenerationStats:
             for name, value in (("running", running), ("waiting", waiting), ("kv_used", kv_used),
                                 ("kv_total", kv_total), ("fragmentation", fragmentation)):
                 self._c[name].set(value)
+            for name, value in (("running", running), ("waiting", waiting), ("kv_usage", kv_used / kv_total if kv_total else 0.0)):
+                self._v[name].set(value)
             if added:
                 self._c["preemptions"].inc(added)
 
@@ -104,6 +115,8 @@ class GenerationStats:
             total = getattr(stats, field)
             if total > self._prefix_seen[name]:
                 self._c[name].inc(total - self._prefix_seen[name])
+                if name in _VLLM_PREFIX:
+                    self._v[_VLLM_PREFIX[name]].inc(total - self._prefix_seen[name])
                 self._prefix_seen[name] = total
         for unit in ("tokens", "blocks"):
             queries = getattr(stats, f"query_{unit}")
@@ -140,3 +153,15 @@ class GenerationStats:
     def observe(self, name: str, ns: int) -> None:
         if self._c:
             self._c[name].observe(ns / 1000)
+            if name in LATENCIES:
+                self._v[LATENCIES[name]].observe(ns / 1e9)
+
+    def count_tokens(self, prompt: int, generated: int) -> None:
+        """A sequence's prompt (counted once, at its first token) and newly generated tokens."""
+        if self._c:
+            if prompt:
+                self._c["prompt_tokens"].inc(prompt)
+                self._v["prompt_tokens"].inc(prompt)
+            if generated:
+                self._c["generation_tokens"].inc(generated)
+                self._v["generation_tokens"].inc(generated)

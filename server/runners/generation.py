@@ -291,8 +291,10 @@ class GenerationRunner(RunnerBase):
         if stream.first_token_ns is None:
             stream.first_token_ns = now
             self.gen_stats.observe("ttft_us", now - seq.arrival_ns)
+            self.gen_stats.count_tokens(seq.prompt_len, 1)
         else:
             self.gen_stats.observe("itl_us", now - stream.last_token_ns)
+            self.gen_stats.count_tokens(0, 1)
         stream.last_token_ns = now
         finish = seq.finish_reason if last and seq.status is SeqStatus.FINISHED else None
         text, stopped = ("", False) if finish == "eos" else stream.stops.feed(stream.detokenizer.add(token))

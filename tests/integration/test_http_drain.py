@@ -48,6 +48,10 @@ def test_http_answers_503_while_draining_and_the_admitted_request_completes(tmp_
     worker = threading.Thread(target=lambda: held.update(answer=call(f"{url}/v2/models/gated/infer", HELD)))
     try:
         assert call(f"{url}/v2/models/gated/infer", FRESH)[0] == 200  # served before the drain
+        assert call(f"{url}/health") == (200, b"") and call(f"{url}/ping") == (200, b"")  # vLLM's probes
+        assert call(f"{url}/ping", {})[0] == 200  # POST too, as SageMaker calls it
+        status, body = call(f"{url}/version")
+        assert status == 200 and json.loads(body)["version"]
         worker.start()
         wait_for((tmp_path / "gate.running").exists, "the held request to start executing")
         server.proc.send_signal(signal.SIGTERM)
@@ -62,6 +66,7 @@ def test_http_answers_503_while_draining_and_the_admitted_request_completes(tmp_
         error = json.loads(body)["error"]
         assert status == 503 and error["code"] == 503 and "shutting down" in error["message"]
         assert call(f"{url}/v2/health/live")[0] == 200  # draining: out of rotation, not dead
+        assert call(f"{url}/health")[0] == 503 and call(f"{url}/ping")[0] == 503  # out of a balancer's rotation
         assert worker.is_alive() and server.proc.poll() is None  # the held request keeps the drain going
     finally:
         gate.touch()

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import json
 
-from server.doors.access import AccessPolicy, http_operation
+from server.doors.access import HTTP_PROBES, AccessPolicy, http_operation
 from server.doors.drain import SHUTTING_DOWN, Drain
 from server.doors.tokens import UNAUTHENTICATED
-
-PROBES = frozenset({"/v2/health/live", "/v2/health/ready"})
 
 
 class Gate:
@@ -50,7 +48,7 @@ class Gate:
             denial = self.access.check(operation, lambda key: next((v for k, v in headers if k == key.encode()), None))
             if denial is not None:
                 return (401 if denial.kind == UNAUTHENTICATED else 403), denial.message
-        if path in PROBES:
+        if path in HTTP_PROBES:
             return None
         if self.drain.closed:
             self.drain.refuse()

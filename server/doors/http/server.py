@@ -28,6 +28,7 @@ from server.doors.http.gate import Gate
 from server.doors.http.generate import GenerateRoutes
 from server.doors.http.kserve import KServeRoutes
 from server.doors.http.openai_api import OpenAIRoutes
+from server.doors.http.probes import ProbeRoutes
 from server.doors.http.shared_memory import SharedMemoryRoutes
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,8 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
     routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing).routes()
               + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit, tracing).routes()
-              + OpenAIRoutes(registry, options.body_limit, tracing).routes())
+              + OpenAIRoutes(registry, options.body_limit, tracing).routes()
+              + ProbeRoutes(health).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
 
 
