@@ -1,8 +1,9 @@
 """What every front door does the same way once it has read its wire format.
 
 Find the runner that can serve a call (or say why none can), and turn named numpy arrays plus the
-request's parameters into a checked `InferRequest`. gRPC (rpc/) and HTTP (web/) both call these, so a
-tensor or parameter is accepted or refused with the same message whichever door it came through.
+request's parameters into a checked `InferRequest`; answer Triton's classification extension. gRPC (rpc/)
+and HTTP (web/) both call these, so a tensor or parameter is accepted or refused with the same message
+whichever door it came through.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import numpy as np
 from server.errors import InvalidInputError, UnsupportedError
 from server.names import capped
 from server.repository.registry import ModelVersion, Registry
-from server.request import InferRequest
+from server.request import InferRequest, with_parameters_of
+from server.tensors import classification
 from server.runners.base import DECOUPLED, GENERATE, INFER
 
 
@@ -71,3 +73,24 @@ async def model_ready(mv: ModelVersion) -> bool:
     """Ready to serve: loaded and ready, and ready by the model's own check where it has one (is_ready)."""
     check = getattr(mv.runner, "model_ready", None) if mv.ready else None
     return mv.ready and (check is None or await check())
+
+
+def class_counts(wanted, signature) -> dict[str, int]:
+    """Requested outputs carrying the `classification` parameter -> k; checked at decode, before any work.
+
+    `wanted`: (output name, decoded parameters) of the outputs that carry it, in request order (lazily
+    decoded, so a bad parameter is refused in the same order whichever door read it)."""
+    counts = {}
+    for name, params in wanted:
+        counts[name] = classification.requested_k(name, params["classification"])
+        if signature.outputs[name].datatype.api == "BYTES":
+            raise InvalidInputError(f"output '{name}' is BYTES and cannot be classified")
+    return counts
+
+
+def classified(outputs: dict, counts: dict[str, int], signature) -> dict:
+    """Outputs asked for with the `classification` parameter, replaced by their top-k classes."""
+    classes = dict(outputs)
+    for name, k in counts.items():
+        classes[name] = classification.classify(name, outputs[name], k, signature.labels.get(name, ()), signature.batching)
+    return with_parameters_of(classes, outputs)

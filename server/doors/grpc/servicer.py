@@ -8,15 +8,14 @@ import time
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__
-from server.tensors import classification
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
-from server.doors.shared import infer_request, model_ready, serving
+from server.doors.shared import class_counts, classified, infer_request, model_ready, serving
 from server.observability.log_settings import LogControl
 from server.doors.model_control import ModelControl
 from server.observability.metrics import INFER_DURATIONS
 from server.names import parse_version
 from server.repository.registry import READY, ModelVersion, Registry
-from server.request import InferRequest, parameters_of, with_parameters_of
+from server.request import InferRequest, parameters_of
 from server.doors.grpc import codec
 from server.doors.grpc import shared_memory as shm_rpc
 from server.doors.grpc.errors import translate_errors
@@ -239,27 +238,6 @@ def _nbytes(request: pb.ModelInferRequest, inputs) -> int:
 def _class_counts(wanted, signature) -> dict[str, int]:
     return class_counts(((w.name, codec.decode_parameters(w.parameters))
                          for w in wanted if "classification" in w.parameters), signature)
-
-
-def class_counts(wanted, signature) -> dict[str, int]:
-    """Requested outputs carrying the `classification` parameter -> k; checked at decode, before any work.
-
-    `wanted`: (output name, decoded parameters) of the outputs that carry it, in request order (lazily
-    decoded, so a bad parameter is refused in the same order whichever door read it)."""
-    counts = {}
-    for name, params in wanted:
-        counts[name] = classification.requested_k(name, params["classification"])
-        if signature.outputs[name].datatype.api == "BYTES":
-            raise InvalidInputError(f"output '{name}' is BYTES and cannot be classified")
-    return counts
-
-
-def classified(outputs: dict, counts: dict[str, int], signature) -> dict:
-    """Outputs asked for with the `classification` parameter, replaced by their top-k classes."""
-    classes = dict(outputs)
-    for name, k in counts.items():
-        classes[name] = classification.classify(name, outputs[name], k, signature.labels.get(name, ()), signature.batching)
-    return with_parameters_of(classes, outputs)
 
 
 def _setting(key: str, value: pb.LogSettingsRequest.SettingValue) -> bool | int | str:

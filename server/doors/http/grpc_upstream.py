@@ -102,8 +102,11 @@ class GrpcUpstream:
         for input_name, array in decoded.inputs.items():
             request.inputs.add(name=input_name, datatype=datatypes.from_numpy(array.dtype).api, shape=array.shape)
             request.raw_input_contents.append(wire.to_raw(array))
+        classes = dict(decoded.classes)
         for output_name in decoded.requested:
-            request.outputs.add(name=output_name)
+            wanted = request.outputs.add(name=output_name)
+            if output_name in classes:  # the server answers it as classes, as it would over HTTP
+                _set_parameter(wanted.parameters["classification"], "classification", classes[output_name]["classification"])
         for key, value in decoded.parameters.items():
             _set_parameter(request.parameters[key], key, value)
         try:

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from server import __version__
 from server.config_json import config_json
 from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
-from server.doors.shared import infer_request, model_ready, serving
+from server.doors.shared import class_counts, classified, infer_request, model_ready, serving
 from server.observability.log_settings import LogControl
 from server.doors.model_control import ModelControl
 from server.observability.metrics import INFER_DURATIONS
@@ -185,12 +185,15 @@ class KServeRoutes:
         header, binary = tensors.split_body(body, request.headers.get("inference-header-content-length"))
         decoded = tensors.decode_infer(header, binary, self.regions)
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
+        counts = class_counts(decoded.classes, mv.signature)  # refused before any work, as on gRPC
         targets = self.regions.targets(decoded.placements)  # regions checked before any work
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
         outputs = await mv.runner.infer(infer)
         if trace is not None:
             trace_doors.answered(trace, outputs)
+        if counts:
+            outputs = classified(outputs, counts, mv.signature)
         names = infer.requested_outputs or tuple(mv.signature.outputs)
         data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names, targets)
         if header_length is None:

@@ -41,6 +41,8 @@ class DecodedInfer:
     parameters: dict[str, Any] = field(default_factory=dict)
     id: str = ""
     placements: list[Placement] = field(default_factory=list)  # requested outputs to write into shared memory
+    # requested outputs asked for as classes: (name, {"classification": k}), what doors.shared.class_counts reads
+    classes: tuple[tuple[str, dict], ...] = ()
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
@@ -93,13 +95,13 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
         raise InvalidInputError(f"{len(binary) - offset} bytes of binary data are left over after the inputs that claim them")
     params = _parameters(header.get("parameters"))
     binary_default = params.pop("binary_data_output", False)
-    requested, binary_outputs, placements = _outputs(header.get("outputs"))
+    requested, binary_outputs, placements, classes = _outputs(header.get("outputs"))
     if placements:
         _shared(regions)
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInputError(f"'id' must be a string, got {type(request_id).__name__}")
-    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id, placements)
+    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id, placements, classes)
 
 
 def _tensor_fields(tensor) -> tuple[str, datatypes.DataType, tuple[int, ...], dict]:
@@ -162,27 +164,27 @@ def _parameters(params) -> dict[str, Any]:
     return dict(params)
 
 
-def _outputs(given) -> tuple[tuple[str, ...], dict[str, bool], list[Placement]]:
+def _outputs(given) -> tuple[tuple[str, ...], dict[str, bool], list[Placement], tuple[tuple[str, dict], ...]]:
     if given is None:
-        return (), {}, []
+        return (), {}, [], ()
     if not isinstance(given, list):
         raise InvalidInputError("'outputs' must be a list of {\"name\": ...} objects")
-    names, binary, placements = [], {}, []
+    names, binary, placements, classes = [], {}, [], []
     for out in given:
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
             raise InvalidInputError("every requested output must be a JSON object with a string 'name'")
         params = out.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidInputError(f"output {shown(out['name'])}: 'parameters' must be a JSON object")
-        if params.get("classification"):
-            raise InvalidInputError(f"output {shown(out['name'])}: the classification extension is not supported")
+        if "classification" in params:  # its value is checked with the model's outputs (doors.shared.class_counts)
+            classes.append((out["name"], {"classification": params["classification"]}))
         where = placement(out["name"], params)
         if where is not None:
             placements.append(where)
         names.append(out["name"])
         if "binary_data" in params:
             binary[out["name"]] = bool(params["binary_data"])
-    return tuple(names), binary, placements
+    return tuple(names), binary, placements, tuple(classes)
 
 
 def encode_infer(decoded: DecodedInfer, model: str, version: int, outputs: dict[str, np.ndarray],

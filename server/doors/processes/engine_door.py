@@ -20,7 +20,7 @@ import numpy as np
 
 from server.doors.drain import SHUTTING_DOWN, Drain
 from server.errors import FerryError, ModelUnavailableError
-from server.doors.shared import infer_request, serving
+from server.doors.shared import class_counts, classified, infer_request, serving
 from server.doors.processes import messages as m
 from server.ipc.arena import Allocator, Arena
 from server.ipc import tensors as ipc_tensors
@@ -29,7 +29,6 @@ from server.names import capped
 from server.repository.registry import Registry
 from server.request import parameters_of
 from server.doors.grpc.errors import status_of
-from server.doors.grpc.servicer import class_counts, classified
 from server.observability.tracing import doors as trace_doors
 from server.observability.tracing import hop
 from server.observability.tracing.control import TraceControl
