@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 from clients.cli import add_client_commands
@@ -13,6 +14,7 @@ from server import __version__, event_loop
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.doors.tokens import Tokens, read_tokens
 from server.doors.grpc.server import MAX_MESSAGE_BYTES, RpcOptions
+from server.ports import PortUnavailable
 
 
 def _serve_parser(sub) -> None:
@@ -138,7 +140,12 @@ def main(argv: list[str] | None = None) -> None:
         allow_trace_settings=args.allow_trace_settings,
         **({} if args.frontend_arena_bytes is None else {"frontend_arena_bytes": args.frontend_arena_bytes}),
     )
-    raise SystemExit(event_loop.run(run(config), args.event_loop))
+    try:
+        status = event_loop.run(run(config), args.event_loop)
+    except PortUnavailable as exc:  # one line, as Triton's; nothing is wrong with Ferry (server/ports.py)
+        print(exc, file=sys.stderr, flush=True)
+        status = 1
+    raise SystemExit(status)
 
 
 def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:

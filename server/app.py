@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry
 from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.engine import build_engine
+from server.ports import PortUnavailable
 from server.event_loop import AUTO as AUTO_LOOP
 from server.event_loop import name as loop_name
 from server.observability.exposition import MetricsServer
@@ -90,30 +91,36 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     regions = SharedMemoryRegistry(allow_register=config.allow_shared_memory)
     stop = asyncio.Event()
     tracing = trace_control(config, prom)
-    group, rpc_options = None, config.rpc
-    if config.frontend_processes > 1:
-        group = FrontendGroup(config.frontend_processes, config.rpc, grpc_access, config.drain_grace_s,
-                              config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set, tracing)
-        rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
     logs = LogControl(allow_updates=config.allow_log_settings)  # LogSettings and /v2/logging (--allow-log-settings)
-    rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name, control,
-                                                                      regions, tracing)),
-                                  generation_service(GenerationServicer(registry, tracing))], gates)
+    group = rpc = web = http = None
+    try:  # every port bound before anything starts or loads (server/ports.py)
+        rpc_options = config.rpc
+        if config.frontend_processes > 1:
+            group = FrontendGroup(config.frontend_processes, config.rpc, grpc_access, config.drain_grace_s,
+                                  config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set, tracing)
+            rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
+        rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name,
+                                                                          control, regions, tracing)),
+                                      generation_service(GenerationServicer(registry, tracing))], gates)
+        if config.web is not None:
+            web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control,
+                            config.server_name, regions, tracing)
+            await web.start()
+        if config.metrics_port is not None:
+            http = MetricsServer(prom, config.metrics_host or config.rpc.host, config.metrics_port)
+    except PortUnavailable:
+        await _release(_Doors(gate, rpc, web, http, group))
+        loop_load.close()
+        await asyncio.to_thread(tracing.close)
+        raise
     await rpc.start()
     if group is not None:
         await group.start()
     print(f"ferry: serving gRPC on {rpc.host}:{group.port if group else rpc.port}", flush=True)
-    web = None
-    if config.web is not None:
-        web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control,
-                        config.server_name, regions, tracing)
-        await web.start()
+    if web is not None:
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
-    http = None
-    if config.metrics_port is not None:
-        metrics_host = config.metrics_host or config.rpc.host
-        http = MetricsServer(prom, metrics_host, config.metrics_port)
-        print(f"ferry: serving metrics on http://{metrics_host}:{http.port}/metrics", flush=True)
+    if http is not None:
+        print(f"ferry: serving metrics on http://{config.metrics_host or config.rpc.host}:{http.port}/metrics", flush=True)
     heap.keep()  # before models allocate: a step's big tensors reuse the heap (server/heap.py)
     await engine.load(config)
     heap.park()
@@ -159,10 +166,22 @@ def trace_control(config: ServerConfig, prom: CollectorRegistry) -> TraceControl
     return TraceControl(settings, config.allow_trace_settings, otel)
 
 
+async def _release(doors: _Doors) -> None:
+    """Close the doors bound before one of the ports turned out to be taken; nothing was served on them."""
+    if doors.rpc is not None:
+        await doors.rpc.stop(0)
+    if doors.web is not None:
+        await doors.web.stop(0)
+    if doors.metrics is not None:
+        doors.metrics.shutdown()
+    if doors.frontends is not None:
+        doors.frontends.release()
+
+
 @dataclass(slots=True)
 class _Doors:
     gate: DrainGate
-    rpc: RpcServer
+    rpc: RpcServer | None
     web: WebServer | None
     metrics: MetricsServer | None
     frontends: FrontendGroup | None

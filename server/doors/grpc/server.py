@@ -13,6 +13,7 @@ from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server.doors.grpc import passthrough
 from server.doors.grpc.gates import Gate, ServiceHandlers, serve_behind
+from server.ports import PortUnavailable, check_free, refusal
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Triton and tritonclient allow messages up to INT32_MAX; Python's default receive limit is 4 MiB.
@@ -40,8 +41,11 @@ class RpcServer:
         """`servicers`: (servicer, add_to_server function, full service name) for every service;
         `gates` decide every call first, in order (authentication, the drain gate; server/doors/grpc/gates.py)."""
         limit = options.max_message_bytes
+        # grpcio sets SO_REUSEPORT on Linux by default: a second server would then share a port another one
+        # listens on, each getting some of its connections. Off, as Triton's --reuse-grpc-port defaults.
         self.server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)],
+            options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit),
+                     ("grpc.so_reuseport", 0)],
             maximum_concurrent_rpcs=options.max_concurrent_rpcs,
         )
         services = ServiceHandlers()  # every service behind the gates, none registered (gates.py says why)
@@ -55,17 +59,23 @@ class RpcServer:
         self._served = [n for n in names if n not in (health.SERVICE_NAME, reflection.SERVICE_NAME)]
         reflection_pb2_grpc.add_ServerReflectionServicer_to_server(reflection.aio.ReflectionServicer(names), services)
         serve_behind(self.server, services, gates)
+        self.port = self._bind(options)
+        self.host = options.host
+
+    def _bind(self, options: RpcOptions) -> int:
         address = f"{options.host}:{options.port}"
         if options.unix_socket is not None:  # reached only by this server's own front-end processes
-            self.port = self.server.add_insecure_port(f"unix:{options.unix_socket}")
-        elif options.tls_cert and options.tls_key:
-            ca = options.tls_ca.read_bytes() if options.tls_ca else None
-            credentials = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())],
-                                                      root_certificates=ca, require_client_auth=ca is not None)
-            self.port = self.server.add_secure_port(address, credentials)
-        else:
-            self.port = self.server.add_insecure_port(address)
-        self.host = options.host
+            return self.server.add_insecure_port(f"unix:{options.unix_socket}")
+        check_free("gRPC", options.host, options.port)  # before grpcio, which would log its own error first
+        try:
+            if options.tls_cert and options.tls_key:
+                ca = options.tls_ca.read_bytes() if options.tls_ca else None
+                credentials = grpc.ssl_server_credentials([(options.tls_key.read_bytes(), options.tls_cert.read_bytes())],
+                                                          root_certificates=ca, require_client_auth=ca is not None)
+                return self.server.add_secure_port(address, credentials)
+            return self.server.add_insecure_port(address)
+        except RuntimeError:  # grpcio says only "Failed to bind"
+            raise PortUnavailable("gRPC", options.host, options.port, refusal(options.host, options.port)) from None
 
     async def start(self) -> None:
         # grpcio's health servicer starts "" as SERVING; nothing is ready until set_serving(True).

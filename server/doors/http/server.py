@@ -30,6 +30,7 @@ from server.doors.http.kserve import KServeRoutes
 from server.doors.http.openai_api import OpenAIRoutes
 from server.doors.http.probes import ProbeRoutes
 from server.doors.http.shared_memory import SharedMemoryRoutes
+from server.ports import claiming
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class WebServer:
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
-        self._socket = listening_socket(self.options.host, self.options.port)
+        with claiming("HTTP", self.options.host, self.options.port):
+            self._socket = listening_socket(self.options.host, self.options.port)
         self.port = self._socket.getsockname()[1]
         self.config.load()
         self.server.lifespan = self.config.lifespan_class(self.config)

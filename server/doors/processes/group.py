@@ -18,6 +18,7 @@ from server.doors.processes.supervisor import Frontends, reserve_port
 from server.repository.registry import Registry
 from server.doors.grpc.server import RpcOptions
 from server.doors.access import AccessPolicy
+from server.ports import check_free, claiming
 
 DEFAULT_ARENA_BYTES = 64 * 2**20  # per front end: half for requests, half for answers; fuller means inline
 
@@ -26,10 +27,12 @@ class FrontendGroup:
     def __init__(self, count: int, rpc: RpcOptions, access: AccessPolicy, grace_s: float, arena_bytes: int, loop: str,
                  registry: Registry, drain: Drain, on_failed, tracing=None):
         """`tracing`: the server's TraceControl; calls the front ends decode are traced in this process."""
+        check_free("gRPC", rpc.host, rpc.port)  # the front ends share the port (SO_REUSEPORT) only among themselves
+        with claiming("gRPC", rpc.host, rpc.port):
+            self._reserved = reserve_port(rpc.host, rpc.port)
         self.folder = Path(tempfile.mkdtemp(prefix="ferry-"))  # 0700: only this user reaches the engine's sockets
         self.engine_socket = self.folder / "engine.sock"
         self.rpc = rpc
-        self._reserved = reserve_port(rpc.host, rpc.port)
         self.port = self._reserved.getsockname()[1]
         self.door = EngineDoor(registry, drain, self.folder, arena_bytes, tracing)
         spec = {
@@ -51,6 +54,11 @@ class FrontendGroup:
         """The engine's private gRPC server must be serving on `engine_socket` already."""
         await self.door.start()
         await self.frontends.start()
+
+    def release(self) -> None:
+        """Give the port and the folder back without having started (another door's port was taken)."""
+        self._reserved.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     def drain(self) -> None:
         """Every front end refuses new calls from now on (its probes still relayed)."""
