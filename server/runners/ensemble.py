@@ -26,7 +26,8 @@ from server.request import InferRequest
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, Runner, RunnerBase
 from server.tensors.signature import Signature
-from server.observability.tracing.record import REQUEST_END, step_trace
+from server.observability.tracing.record import (INFER_RESPONSE_COMPLETE, QUEUE_START, REQUEST_END,
+                                                TENSOR_BACKEND_OUTPUT, step_trace)
 
 
 class StepModel(Protocol):
@@ -88,8 +89,12 @@ class EnsembleRunner(RunnerBase):
 
     async def _run_steps(self, request: InferRequest) -> dict[str, np.ndarray]:
         self._in_flight += 1
+        if request.trace is not None:  # the ensemble scheduler takes it at once (Triton's QUEUE_START)
+            request.trace.mark(QUEUE_START)
         try:
             tensors = await self._walk(request)
+            if request.trace is not None:  # every output made: the ensemble's one response is complete
+                request.trace.mark(INFER_RESPONSE_COMPLETE)
         except FerryError as exc:
             self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=False, reason="BACKEND")
             raise exc
@@ -133,9 +138,12 @@ class EnsembleRunner(RunnerBase):
                 raise InvalidInputError(f"model '{model.name}' streams its answers and cannot be an ensemble step")
             step_request = _step_request(model, step, request, tensors)
             if request.trace is not None:  # traced: the step's request is traced too, with parent_id
-                step_request.trace = step_trace(request.trace, model.name, model.runner.version)
+                step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
             try:
-                return await model.runner.infer(step_request)
+                outputs = await model.runner.infer(step_request)
+                if step_request.trace is not None:
+                    step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
+                return outputs
             finally:
                 if step_request.trace is not None:
                     step_request.trace.mark(REQUEST_END)

@@ -16,7 +16,7 @@ from starlette.responses import Response
 from server.errors import ModelNotFoundError
 from server.observability.tracing import record as r
 
-BACKEND_OUTPUT, QUEUE_INPUT = "TENSOR_BACKEND_OUTPUT", "TENSOR_QUEUE_INPUT"
+BACKEND_OUTPUT, QUEUE_INPUT = r.TENSOR_BACKEND_OUTPUT, r.TENSOR_QUEUE_INPUT
 
 
 def check_model(registry, model: str) -> None:

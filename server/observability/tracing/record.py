@@ -24,6 +24,8 @@ INFER_RESPONSE_COMPLETE, REQUEST_END = "INFER_RESPONSE_COMPLETE", "REQUEST_END"
 GRPC_SEND_START, GRPC_SEND_END = "GRPC_SEND_START", "GRPC_SEND_END"
 HTTP_SEND_START, HTTP_SEND_END = "HTTP_SEND_START", "HTTP_SEND_END"
 FIRST_TOKEN = "FIRST_TOKEN"  # generation: Ferry's addition; every streamed response adds INFER_RESPONSE_COMPLETE
+# level TENSORS: a request's inputs as they enter its model's queue, its outputs as the model answered them
+TENSOR_QUEUE_INPUT, TENSOR_BACKEND_OUTPUT = "TENSOR_QUEUE_INPUT", "TENSOR_BACKEND_OUTPUT"
 
 
 class Trace:
@@ -108,10 +110,12 @@ def _text(value) -> str:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
-def step_trace(parent: Trace, model_name: str, model_version: int) -> Trace:
-    """An ensemble step's request's trace (`parent_id`: the ensemble request's), REQUEST_START taken now."""
+def step_trace(parent: Trace, model_name: str, model_version: int, inputs: dict[str, np.ndarray]) -> Trace:
+    """An ensemble step's request's trace (`parent_id`: the ensemble request's), REQUEST_START taken now and,
+    at level TENSORS, the step's inputs (what Triton's trace_summary.py prints as the ensemble's data flow)."""
     child = parent.control.child(parent, model_name, model_version)
     child.mark(REQUEST_START)
+    child.tensor(TENSOR_QUEUE_INPUT, inputs)
     return child
 
 
