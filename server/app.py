@@ -104,7 +104,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
                                       generation_service(GenerationServicer(registry, tracing))], gates)
         if config.web is not None:
             web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control,
-                            config.server_name, regions, tracing)
+                            config.server_name, regions, tracing, prom if config.metrics_port is not None else None)
             await web.start()
         if config.metrics_port is not None:
             http = MetricsServer(prom, config.metrics_host or config.rpc.host, config.metrics_port)

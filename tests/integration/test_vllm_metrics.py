@@ -38,7 +38,10 @@ def run(tmp_path_factory):
         usages.append((last.usage.prompt_tokens, last.usage.completion_tokens))
         server.wait_for_metric("nv_inference_request_success", len(usages), model="llm")
         page = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
-        yield page, usages
+        with urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10) as reply:  # where vLLM serves it
+            assert reply.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            on_http = reply.read().decode()
+        yield page, usages, on_http
     finally:
         server.stop()
 
@@ -56,7 +59,7 @@ def value(page: str, name: str, **labels) -> float:
 
 
 def test_token_counters_equal_the_usage_answered(run):
-    page, usages = run
+    page, usages, _ = run
     assert value(page, "vllm:prompt_tokens_total") == sum(p for p, _ in usages) > 0
     assert value(page, "vllm:generation_tokens_total") == sum(c for _, c in usages) > 0
     ferry = samples(page)
@@ -65,7 +68,7 @@ def test_token_counters_equal_the_usage_answered(run):
 
 
 def test_latency_histograms_count_each_request_and_token(run):
-    page, usages = run
+    page, usages, _ = run
     assert value(page, "vllm:time_to_first_token_seconds_count") == len(usages)
     assert value(page, "vllm:e2e_request_latency_seconds_count") == len(usages)
     assert value(page, "vllm:inter_token_latency_seconds_count") == sum(c - 1 for _, c in usages)
@@ -74,7 +77,7 @@ def test_latency_histograms_count_each_request_and_token(run):
 
 
 def test_scheduler_and_cache_gauges(run):
-    page, _ = run
+    page, _, _ = run
     assert value(page, "vllm:num_requests_running") == 0 and value(page, "vllm:num_requests_waiting") == 0
     assert 0 <= value(page, "vllm:kv_cache_usage_perc") <= 1
     ferry = samples(page)
@@ -85,7 +88,7 @@ def test_scheduler_and_cache_gauges(run):
 
 
 def test_vllm_families_are_typed_as_vllm_declares_them(run):
-    page, _ = run
+    page, _, _ = run
     families = {f.name: f.type for f in text_string_to_metric_families(page)}
     assert {name: families.get(name) for name in (
         "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits")} == dict.fromkeys(
@@ -98,7 +101,7 @@ def test_vllm_families_are_typed_as_vllm_declares_them(run):
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian's prometheus package) is not installed")
 def test_promtool_accepts_the_page(run):
-    page, _ = run
+    page, _, _ = run
     done = subprocess.run(["promtool", "check", "metrics"], input=page, capture_output=True, text=True, timeout=60)
     said = done.stdout + done.stderr
     assert "error" not in said.lower(), said
@@ -106,3 +109,11 @@ def test_promtool_accepts_the_page(run):
     notes = [line for line in said.splitlines() if "vllm:" in line and not line.endswith("metric names should not contain ':'")]
     assert notes == [], notes
     assert done.returncode in (0, 3), said  # 3: lint notes only (Triton's names, docs/metrics.md)
+
+
+def test_the_http_port_serves_the_same_page(run):
+    """AIPerf and vLLM-style scrapes read `<url>/metrics` on the API's own port."""
+    page, usages, on_http = run
+    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count"):
+        assert value(on_http, name) == value(page, name)
+    assert value(on_http, "vllm:generation_tokens_total") == sum(c for _, c in usages)

@@ -14,6 +14,7 @@ import socket
 from dataclasses import dataclass
 
 import uvicorn
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 
 from server.doors.access import AccessPolicy
@@ -44,23 +45,26 @@ class WebOptions:
 
 def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
               logs: LogControl, control: ModelControl, server_name: str = "ferry",
-              regions: SharedMemoryRegistry | None = None, tracing: TraceControl | None = None):
-    """`regions`: the system shared memory regions, the same registry the gRPC door serves (one set per server)."""
+              regions: SharedMemoryRegistry | None = None, tracing: TraceControl | None = None,
+              metrics: CollectorRegistry | None = None):
+    """`regions`: the system shared memory regions, the same registry the gRPC door serves (one set per server);
+    `metrics`: the Prometheus registry, also served on /metrics here as vLLM does."""
     regions = regions if regions is not None else SharedMemoryRegistry()
     routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing).routes()
               + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit, tracing).routes()
               + OpenAIRoutes(registry, options.body_limit, tracing).routes()
-              + ProbeRoutes(health).routes())
+              + ProbeRoutes(health, metrics).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
 
 
 class WebServer:
     def __init__(self, options: WebOptions, registry: Registry, health, drain: Drain, access: AccessPolicy,
                  requests: FrontDoorRequests, logs: LogControl, control: ModelControl, server_name: str = "ferry",
-                 regions: SharedMemoryRegistry | None = None, tracing: TraceControl | None = None):
+                 regions: SharedMemoryRegistry | None = None, tracing: TraceControl | None = None,
+                 metrics: CollectorRegistry | None = None):
         app = build_app(registry, health, drain, access, requests.http, options, logs, control, server_name, regions,
-                        tracing)
+                        tracing, metrics)
         self.config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
                                      http="httptools", timeout_keep_alive=30)
         self.server = uvicorn.Server(self.config)
