@@ -14,7 +14,7 @@ from server import __version__, event_loop
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.doors.tokens import Tokens, read_tokens
 from server.doors.grpc.server import MAX_MESSAGE_BYTES, RpcOptions
-from server.ports import PortUnavailable
+from server.doors.ports import PortUnavailable
 
 
 def _serve_parser(sub) -> None:

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry
 from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
 from server.engine import build_engine
-from server.ports import PortUnavailable
+from server.doors.ports import PortUnavailable, claiming
 from server.event_loop import AUTO as AUTO_LOOP
 from server.event_loop import name as loop_name
 from server.observability.exposition import MetricsServer
@@ -107,7 +107,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
                             config.server_name, regions, tracing, prom if config.metrics_port is not None else None)
             await web.start()
         if config.metrics_port is not None:
-            http = MetricsServer(prom, config.metrics_host or config.rpc.host, config.metrics_port)
+            with claiming("metrics", config.metrics_host or config.rpc.host, config.metrics_port):
+                http = MetricsServer(prom, config.metrics_host or config.rpc.host, config.metrics_port)
     except PortUnavailable:
         await _release(_Doors(gate, rpc, web, http, group))
         loop_load.close()

@@ -19,7 +19,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from server.observability.metrics import BareCounter
-from server.ports import claiming
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TYPES = {"unknown": "untyped", "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram"}
@@ -78,8 +77,7 @@ class MetricsServer:
         class Server(ThreadingHTTPServer):
             address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
 
-        with claiming("metrics", host, port):
-            self._http = Server((host, port), Handler)
+        self._http = Server((host, port), Handler)  # OSError when the port is taken (app.py reports it)
         self._http.daemon_threads = True
         self.port = self._http.server_address[1]
         threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()

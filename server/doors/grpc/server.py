@@ -13,7 +13,7 @@ from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server.doors.grpc import passthrough
 from server.doors.grpc.gates import Gate, ServiceHandlers, serve_behind
-from server.ports import PortUnavailable, check_free, refusal
+from server.doors.ports import PortUnavailable, check_free, refusal
 
 INFERENCE_SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 # Triton and tritonclient allow messages up to INT32_MAX; Python's default receive limit is 4 MiB.

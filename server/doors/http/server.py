@@ -31,7 +31,7 @@ from server.doors.http.kserve import KServeRoutes
 from server.doors.http.openai_api import OpenAIRoutes
 from server.doors.http.probes import ProbeRoutes
 from server.doors.http.shared_memory import SharedMemoryRoutes
-from server.ports import claiming
+from server.doors.ports import claiming
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from server.doors.processes.supervisor import Frontends, reserve_port
 from server.repository.registry import Registry
 from server.doors.grpc.server import RpcOptions
 from server.doors.access import AccessPolicy
-from server.ports import check_free, claiming
+from server.doors.ports import check_free, claiming
 
 DEFAULT_ARENA_BYTES = 64 * 2**20  # per front end: half for requests, half for answers; fuller means inline
 
