@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         status = event_loop.run(run(config), args.event_loop)
-    except PortUnavailable as exc:  # one line, as Triton's; nothing is wrong with Ferry (server/ports.py)
+    except PortUnavailable as exc:  # one line, as Triton's; nothing is wrong with Ferry (server/doors/ports.py)
         print(exc, file=sys.stderr, flush=True)
         status = 1
     raise SystemExit(status)

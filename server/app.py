@@ -93,7 +93,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     tracing = trace_control(config, prom)
     logs = LogControl(allow_updates=config.allow_log_settings)  # LogSettings and /v2/logging (--allow-log-settings)
     group = rpc = web = http = None
-    try:  # every port bound before anything starts or loads (server/ports.py)
+    try:  # every port bound before anything starts or loads (server/doors/ports.py)
         rpc_options = config.rpc
         if config.frontend_processes > 1:
             group = FrontendGroup(config.frontend_processes, config.rpc, grpc_access, config.drain_grace_s,
