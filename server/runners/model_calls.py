@@ -30,7 +30,7 @@ from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, Mo
                            ModelUnavailableError, QueueFullError, UnsupportedError)
 from server.observability.metrics import ModelProcessRestarts
 from server.observability.tracing.doors import GenerationTrace
-from server.observability.tracing.record import call_trace, ended
+from server.observability.tracing.record import TENSOR_BACKEND_OUTPUT, TENSOR_QUEUE_INPUT, call_trace, ended
 from server.request import InferRequest, parameters_of
 from server.runners.sequence_inputs import FLAG_END, FLAG_START
 from server.runners import generation_tensors
@@ -85,6 +85,7 @@ class ModelCalls:
                 return
             request = _request(model, call, inputs, deadline_ns)
             request.trace = trace
+            _traced(trace, TENSOR_QUEUE_INPUT, request.inputs)
             del inputs
             if model.runner.serves == DECOUPLED:
                 if not call.decoupled:
@@ -94,6 +95,7 @@ class ModelCalls:
                 answer(None, None, True)
                 return
             outputs = await model.runner.infer(request)
+            _traced(trace, TENSOR_BACKEND_OUTPUT, outputs)
             if call.decoupled:
                 answer(_wanted(outputs, call), None, False, parameters_of(outputs))
                 answer(None, None, True)
@@ -152,6 +154,12 @@ def code_of(exc: FerryError) -> int:
         if isinstance(exc, cls):
             return code
     return p.INTERNAL
+
+
+def _traced(trace, activity: str, tensors: dict[str, np.ndarray]) -> None:
+    """Level TENSORS: a call's inputs and outputs in its own trace, as an ensemble step's are."""
+    if trace is not None:
+        trace.tensor(activity, tensors)
 
 
 def _wanted(outputs: dict[str, np.ndarray], call: p.Call) -> dict[str, np.ndarray]:
