@@ -133,13 +133,12 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     if config.poll_repository_s > 0:
         watcher = RepositoryWatcher(registry, config.poll_repository_s)
         await watcher.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before "ready": a SIGTERM right after it must drain, not kill
+        loop.add_signal_handler(sig, stop.set)
     print("ferry: ready", flush=True)
     if started is not None:
         started.set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
 
     health.ready = False
