@@ -96,10 +96,10 @@ class Signature:
                 self._check_text(spec, value)
             shape = value.shape
             if self.batching:
-                if len(shape) < 1 or shape[0] < 1:
+                if len(shape) < 1 or shape[0] < 0:  # zero rows is a batch, as in Triton: an empty answer
                     raise InvalidInputError(
                         f"input '{name}' has shape {list(shape)}; model '{self.model}' batches, so dim 0 "
-                        f"is the batch size (1..{self.max_batch_size}) followed by dims {list(spec.dims)}"
+                        f"is the batch size (0..{self.max_batch_size}) followed by dims {list(spec.dims)}"
                     )
                 batch_sizes.add(shape[0])
                 shape = shape[1:]
@@ -120,21 +120,21 @@ class Signature:
         anything else, which the full check then accepts or refuses with its own messages."""
         if len(inputs) != len(self.inputs):
             return None
-        limit, rows, key = self.max_batch_size, 0, []
+        limit, rows, key = self.max_batch_size, -1, []
         for name, spec in self.inputs.items():
             value = inputs.get(name)
             if value is None or value.dtype != spec.datatype.numpy:
                 return None
             shape = value.shape
             if limit > 0:
-                if not shape or not 0 < shape[0] <= limit or (rows and shape[0] != rows):
+                if not shape or not 0 <= shape[0] <= limit or (rows >= 0 and shape[0] != rows):
                     return None
                 rows, shape = shape[0], shape[1:]
             dims = spec.dims
             if shape != dims and (len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape))):
                 return None
             key.append((name, shape))
-        return rows or 1, tuple(key)
+        return (rows if rows >= 0 else 1), tuple(key)
 
     def length(self, inputs: dict[str, np.ndarray]) -> int:
         """A checked request's length along the variable dimension (0 where the model has none)."""
