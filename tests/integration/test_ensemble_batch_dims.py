@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
 
 from tests import builders, model_kinds
 from tests.conftest import RunningServer
@@ -41,17 +40,6 @@ def py_config(max_batch_size: int, dims: str) -> str:
             f"output: [{{name: Y, data_type: TYPE_FP32, dims: {dims}}}]\n")
 
 
-def onnx_double(repo: Path) -> None:
-    """onnx_b: X [batch, n] -> Y = 2X, batching."""
-    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
-    builders.save_onnx([helper.make_node("Mul", ["X", "two"], ["Y"])],
-                       [builders.tensor("X", TensorProto.FLOAT, ["batch", "n"])],
-                       [builders.tensor("Y", TensorProto.FLOAT, ["batch", "n"])], repo / "onnx_b" / "1" / "model.onnx", [two])
-    (repo / "onnx_b" / "config.pbtxt").write_text(
-        'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching {}\n'
-        'input [{name: "X", data_type: TYPE_FP32, dims: [-1]}]\noutput [{name: "Y", data_type: TYPE_FP32, dims: [-1]}]\n')
-
-
 def flat_ensemble(repo: Path, name: str, dims: str, steps: list[tuple[str, str, str]]) -> None:
     written = ", ".join(f'{{model_name: "{m}", input_map: {{key: "X", value: "{src}"}}, output_map: {{key: "Y", value: "{dst}"}}}}'
                         for m, src, dst in steps)
@@ -68,7 +56,7 @@ ensemble_scheduling {{ step [ {written} ] }}
 @pytest.fixture(scope="module")
 def found(tmp_path_factory) -> dict:
     repo = tmp_path_factory.mktemp("repo")
-    onnx_double(repo)
+    builders.double(repo)
     model_kinds.python_model(repo, "py_n", PY_MODEL.format(expression='inputs["X"] + 1'), py_config(0, "[-1]"))
     model_kinds.python_model(repo, "py_n2", PY_MODEL.format(expression='inputs["X"] - 5'), py_config(0, "[-1, -1]"))
     model_kinds.python_model(repo, "py_b", PY_MODEL.format(expression='inputs["X"] * 3'), py_config(8, "[-1]"))

@@ -30,7 +30,7 @@ from server.tensors.shared_memory import SharedMemoryRegistry
 from server.observability.tracing import doors as trace_doors
 from server.observability.tracing.control import TraceControl
 from server.observability.tracing.record import HTTP_RECV_END
-from server.doors.http import tensors
+from server.doors.http import raw_body, tensors
 from server.doors.http.body import read_body
 from server.doors.http.errors import kserve_error, message_of, status_of
 
@@ -178,8 +178,11 @@ class KServeRoutes:
         body = await read_body(request, self.body_limit)
         if trace is not None:
             trace.mark(HTTP_RECV_END)
-        header, binary = tensors.split_body(body, request.headers.get("inference-header-content-length"))
-        decoded = tensors.decode_infer(header, binary, self.regions)
+        header_length = request.headers.get("inference-header-content-length")
+        if raw_body.is_raw(header_length):  # no JSON header: the body is the one input's bytes
+            decoded = raw_body.decode_raw(mv.signature, body)
+        else:
+            decoded = tensors.decode_infer(*tensors.split_body(body, header_length), self.regions)
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
         targets = self.regions.targets(decoded.placements)  # regions checked before any work
         if trace is not None:
