@@ -83,7 +83,7 @@ class Signature:
                 )
         missing = [n for n, s in self.inputs.items() if n not in inputs and not s.optional]
         if missing:
-            raise InvalidInputError(f"missing input {missing} for model '{self.model}'")
+            raise InvalidInputError(self._missing_message(inputs, missing))
         batch_sizes = set()
         key = []
         for name, spec in self.inputs.items():
@@ -113,6 +113,16 @@ class Signature:
                 f"batch size {batch_size} exceeds max_batch_size {self.max_batch_size} of model '{self.model}'"
             )
         return batch_size, tuple(key)
+
+    def _missing_message(self, inputs: dict, missing: list[str]) -> str:
+        """Triton's words, which clients and their tests match on."""
+        required = sum(not s.optional for s in self.inputs.values())
+        total = len(self.inputs)
+        expected = f"{total} inputs" if required == total else f"number of inputs between {required} and {total}"
+        got = "[" + ",".join(f"'{n}'" for n in inputs) + "]"
+        wanted = "[" + ",".join(f"'{n}'" for n in missing) + "]"
+        return (f"expected {expected} but got {len(inputs)} inputs for model '{self.model}'. Got input(s) {got}, "
+                f"but missing required input(s) {wanted}. Please provide all required input(s).")
 
     def _plain_inputs(self, inputs: dict[str, np.ndarray]) -> tuple[int, tuple] | None:
         """check_inputs in one pass for the usual request to a model with nothing optional, padded or read as

@@ -50,8 +50,9 @@ class GenerateRoutes:
         tensor_model = self._tensor_model(request)
         if tensor_model is not None:  # not a generation model: inputs and outputs by name, as Triton
             body = await self._body(request)
-            answers = [r async for r in generate_tensors.responses(tensor_model, body)]
-            return JSONResponse(answers[-1] if answers else generate_tensors.answer(tensor_model, {}))
+            infer = generate_tensors.request(tensor_model, body)
+            answers = [r async for r in generate_tensors.responses(tensor_model, infer)]
+            return JSONResponse(generate_tensors.one_answer(answers))
         mv, body, generation, traced = await self._start(request)
         text, last = await (generation.collect() if traced is None else traced.collect(generation))
         response = JSONResponse(answer(mv.name, mv.version, whole_text(body, text), last))
@@ -81,25 +82,17 @@ class GenerateRoutes:
         return mv if mv.runner.serves in (DECOUPLED, INFER) else None
 
     async def _body(self, request: Request) -> dict:
-        body = parse_json(await read_body(request, self.body_limit))
-        if not isinstance(body, dict):
-            raise InvalidInputError("the generate request must be a JSON object of input names and values")
-        return body
+        return generate_tensors.parse_body(await read_body(request, self.body_limit))
 
     async def _tensor_stream(self, mv, body: dict) -> Response:
-        """Errors before the first response get their own status; later ones travel as an event."""
-        responses = generate_tensors.responses(mv, body)
-        try:
-            first = await anext(responses, None)
-        except BaseException:
-            await responses.aclose()
-            raise
+        """A request refused before it runs gets its own status and a JSON error; once it runs, the status
+        is 200 and a failure (the model's first response included) travels as an `error` event, as Triton."""
+        infer = generate_tensors.request(mv, body)  # checked here, so a bad request is answered with its status
+        responses = generate_tensors.responses(mv, infer)
 
         async def frames():
             async with contextlib.aclosing(responses):
                 try:
-                    if first is not None:
-                        yield streaming.sse(first)
                     async for response in responses:
                         yield streaming.sse(response)
                 except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event

@@ -58,9 +58,9 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview
     return header, view[length:]
 
 
-def parse_json(data) -> Any:
+def parse_json(data, object_pairs_hook=None) -> Any:
     try:
-        return json.loads(bytes(data))
+        return json.loads(bytes(data), object_pairs_hook=object_pairs_hook)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"the request body is not valid JSON: {capped(str(exc), 200)}") from None
 
