@@ -10,7 +10,7 @@ from pathlib import Path
 from clients.cli import add_client_commands
 from server.batch.cli import add_batch_command
 from server import __version__, event_loop
-from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
+from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, HTTP_MAX_INPUT_SIZE, MAX_QUEUED_REQUESTS
 from server.doors.tokens import Tokens, read_tokens
 from server.doors.grpc.server import MAX_MESSAGE_BYTES, RpcOptions
 
@@ -24,6 +24,9 @@ def _serve_parser(sub) -> None:
                    help="KServe v2 REST, generate and OpenAI-compatible HTTP port; 0 picks a free port and prints it, -1 disables")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port; 0 picks one, -1 disables")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit, and the HTTP body limit")
+    p.add_argument("--http-max-input-size", type=int, default=HTTP_MAX_INPUT_SIZE,
+                   help="HTTP request limit in bytes, as Triton's flag: the body, and the tensors JSON data expands to "
+                        "(default 64 MiB; never above --max-message-bytes)")
     p.add_argument("--default-max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="max_batch_size for auto-completed configs")
     p.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="per model version: refuse beyond this many queued requests even if max_queue_size is 0")
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
         poll_repository_s=poll_s,
         tokens=tokens,
         metrics_host=args.metrics_host,
-        web=None if args.http_port < 0 else WebOptions(args.host, args.http_port, args.max_message_bytes),
+        web=None if args.http_port < 0 else WebOptions(args.host, args.http_port,
+                                                                     min(args.max_message_bytes, args.http_max_input_size)),
         server_name=args.server_name,
         model_control_mode=args.model_control_mode,
         allow_model_upload=args.allow_model_upload,

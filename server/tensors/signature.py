@@ -151,6 +151,9 @@ class Signature:
         return self.padding.length(inputs) if self.padding else 0
 
     def check_outputs(self, requested: tuple[str, ...]) -> None:
+        if len(set(requested)) != len(requested):
+            twice = next(n for i, n in enumerate(requested) if n in requested[:i])
+            raise InvalidInputError(f"output {shown(twice)} already exists in request")
         for name in requested:
             if name not in self.outputs:
                 raise InvalidInputError(

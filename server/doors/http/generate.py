@@ -50,7 +50,7 @@ class GenerateRoutes:
         tensor_model = self._tensor_model(request)
         if tensor_model is not None:  # not a generation model: inputs and outputs by name, as Triton
             body = await self._body(request)
-            infer = generate_tensors.request(tensor_model, body)
+            infer = generate_tensors.request(tensor_model, body, self.body_limit)
             answers = [r async for r in generate_tensors.responses(tensor_model, infer)]
             return JSONResponse(generate_tensors.one_answer(answers))
         mv, body, generation, traced = await self._start(request)
@@ -87,7 +87,7 @@ class GenerateRoutes:
     async def _tensor_stream(self, mv, body: dict) -> Response:
         """A request refused before it runs gets its own status and a JSON error; once it runs, the status
         is 200 and a failure (the model's first response included) travels as an `error` event, as Triton."""
-        infer = generate_tensors.request(mv, body)  # checked here, so a bad request is answered with its status
+        infer = generate_tensors.request(mv, body, self.body_limit)  # checked here, so a bad request is answered with its status
         responses = generate_tensors.responses(mv, infer)
 
         async def frames():

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator
 
 import numpy as np
 
+from server.doors.http.body import BodyTooLargeError
 from server.doors.http.tensors import parse_json
 from server.doors.shared import infer_request
 from server.errors import InvalidInputError
@@ -46,8 +47,9 @@ def parse_body(data: bytes) -> JsonObject:
 class _Request:
     """What a generate body's members make: inputs, parameters and the id."""
 
-    def __init__(self, mv):
+    def __init__(self, mv, limit: int | None):
         self.mv, self.inputs, self.parameters, self.id = mv, {}, {}, ""
+        self.limit, self.size = limit, 0
 
     def read(self, pairs: list[tuple[str, Any]], top: bool = True) -> None:
         for key, value in pairs:
@@ -57,6 +59,7 @@ class _Request:
                 if key in self.inputs:
                     raise InvalidInputError(f"input '{key}' already exists in request")
                 self.inputs[key] = _tensor(self.mv, key, value)
+                self._count(key, self.inputs[key])
             elif top and key == "id":
                 if not isinstance(value, str):
                     raise InvalidInputError("'id' must be a string")
@@ -65,6 +68,13 @@ class _Request:
                 if isinstance(value, (dict, list)) or value is None:
                     raise InvalidInputError(f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or 'string'.")
                 self.parameters[key] = value
+
+    def _count(self, name: str, array: np.ndarray) -> None:
+        """The tensors JSON values make are held to the HTTP input limit, as Triton holds them."""
+        self.size += array.nbytes
+        if self.limit is not None and self.size > self.limit:
+            raise BodyTooLargeError(f"request size of {self.size} bytes with input '{name}' exceeds the maximum allowed "
+                                    f"input size of {self.limit} bytes (--http-max-input-size)")
 
     def _nested(self, key: str, value) -> None:
         if not isinstance(value, dict):
@@ -75,10 +85,11 @@ class _Request:
             raise InvalidInputError(f"Converting keyword: '{key}': {exc.message}") from None
 
 
-def request(mv, body: dict):
-    """The InferRequest a generate body stands for, checked against the model's signature."""
+def request(mv, body: dict, limit: int | None = None):
+    """The InferRequest a generate body stands for, checked against the model's signature; `limit`: the
+    most bytes its tensors may take."""
     arrival = time.monotonic_ns()
-    read = _Request(mv)
+    read = _Request(mv, limit)
     read.read(getattr(body, "pairs", list(body.items())))
     return infer_request(mv, read.inputs, (), read.parameters, read.id, arrival, None)
 

@@ -131,6 +131,8 @@ class KServeRoutes:
     @kserve_errors
     async def repository_index(self, request: Request) -> Response:
         body = await self._json(request, default={})
+        if not isinstance(body.get("ready", False), bool):
+            raise InvalidInputError("Invalid value for 'ready': expected a boolean")
         rows = self.registry.index()
         if body.get("ready"):
             rows = [r for r in rows if r.state == READY]
@@ -182,7 +184,7 @@ class KServeRoutes:
         if raw_body.is_raw(header_length):  # no JSON header: the body is the one input's bytes
             decoded = raw_body.decode_raw(mv.signature, body)
         else:
-            decoded = tensors.decode_infer(*tensors.split_body(body, header_length), self.regions)
+            decoded = tensors.decode_infer(*tensors.split_body(body, header_length), self.regions, self.body_limit)
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
         targets = self.regions.targets(decoded.placements)  # regions checked before any work
         if trace is not None:

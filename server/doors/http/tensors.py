@@ -22,6 +22,7 @@ import numpy as np
 from server.tensors import datatypes
 
 from server.tensors import wire as tensors
+from server.doors.http.body import BodyTooLargeError
 from server.errors import InvalidInputError
 from server.tensors.shared_memory import Placement, SharedMemoryRegistry, placement, write_output
 from server.names import capped, shown
@@ -29,7 +30,6 @@ from server.request import parameters_of
 
 # Which numpy kinds a JSON list may parse into, per target kind: ints never from floats, bools only from bools.
 _ACCEPTED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
-_RESERVED = {"triton_enable_empty_final_response"}
 
 
 @dataclass(slots=True)
@@ -63,14 +63,18 @@ def parse_json(data, object_pairs_hook=None) -> Any:
         return json.loads(bytes(data), object_pairs_hook=object_pairs_hook)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"the request body is not valid JSON: {capped(str(exc), 200)}") from None
+    except RecursionError:  # nested deeper than the parser's stack: a client's body, never a server fault
+        raise InvalidInputError("the request body is not valid JSON: JSON nesting depth exceeds maximum allowed limit") from None
 
 
-def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry | None = None) -> DecodedInfer:
+def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry | None = None,
+                 limit: int | None = None) -> DecodedInfer:
+    """`limit`: the most bytes the inputs sent as JSON `data` may decode to (None: no limit)."""
     given = header.get("inputs")
     if not isinstance(given, list) or not given:
         raise InvalidInputError("the inference request needs 'inputs': a non-empty list of tensors")
     inputs: dict[str, np.ndarray] = {}
-    offset = 0
+    offset = expanded = 0
     for tensor in given:
         name, dtype, shape, params = _tensor_fields(tensor)
         if name in inputs:
@@ -86,6 +90,11 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
             inputs[name] = tensors.from_raw(name, dtype, shape, binary[offset : offset + size])
             offset += size
         elif "data" in tensor:
+            expanded += math.prod(shape) * (dtype.itemsize or 1)  # known before a byte is converted
+            if limit is not None and expanded > limit:
+                raise BodyTooLargeError(f"request size of {expanded} bytes with input {shown(name)} exceeds the maximum "
+                                        f"allowed input size of {limit} bytes (JSON data counted as decoded; "
+                                        "--http-max-input-size)")
             inputs[name] = _from_json(name, dtype, shape, tensor["data"])
         else:
             raise InvalidInputError(f"input {shown(name)} has neither 'data' nor parameters.binary_data_size")
@@ -155,8 +164,9 @@ def _parameters(params) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise InvalidInputError("'parameters' must be a JSON object")
     for key, value in params.items():
-        if key.startswith("triton_") and key not in _RESERVED:
-            raise InvalidInputError(f"parameter {shown(key)} is reserved (names starting with 'triton_')")
+        if key.startswith("triton_"):  # all of them over HTTP: the one gRPC takes belongs to its streams
+            raise InvalidInputError(f"parameter {shown(key)}: parameter keys starting with 'triton_' are reserved for Triton "
+                                    "usage and should not be specified.")
         if not isinstance(value, (bool, int, float, str)):
             raise InvalidInputError(f"parameter {shown(key)} must be a boolean, number or string")
     return dict(params)
