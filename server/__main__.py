@@ -11,6 +11,7 @@ from clients.cli import add_client_commands
 from server.batch.cli import add_batch_command
 from server import __version__, event_loop
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, HTTP_MAX_INPUT_SIZE, MAX_QUEUED_REQUESTS
+from server.doors.header_forward import header_forward
 from server.doors.tokens import Tokens, read_tokens
 from server.doors.grpc.server import MAX_MESSAGE_BYTES, RpcOptions
 
@@ -24,6 +25,10 @@ def _serve_parser(sub) -> None:
                    help="KServe v2 REST, generate and OpenAI-compatible HTTP port; 0 picks a free port and prints it, -1 disables")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port; 0 picks one, -1 disables")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit, and the HTTP body limit")
+    p.add_argument("--grpc-header-forward-pattern", default=None,
+                   help="Triton's flag: gRPC metadata whose name matches this regular expression (case-insensitive "
+                        "unless it starts with (?-i)) becomes string request parameters")
+    p.add_argument("--http-header-forward-pattern", default=None, help="the same for HTTP infer request headers")
     p.add_argument("--http-max-input-size", type=int, default=HTTP_MAX_INPUT_SIZE,
                    help="HTTP request limit in bytes, as Triton's flag: the body, and the tensors JSON data expands to "
                         "(default 64 MiB; never above --max-message-bytes)")
@@ -126,8 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         tokens=tokens,
         metrics_host=args.metrics_host,
         web=None if args.http_port < 0 else WebOptions(args.host, args.http_port,
-                                                                     min(args.max_message_bytes, args.http_max_input_size)),
+                                                                     min(args.max_message_bytes, args.http_max_input_size),
+                                                                     args.http_header_forward_pattern),
         server_name=args.server_name,
+        grpc_header_forward=args.grpc_header_forward_pattern,
         model_control_mode=args.model_control_mode,
         allow_model_upload=args.allow_model_upload,
         allow_shared_memory=args.allow_shared_memory,
@@ -145,6 +152,18 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(event_loop.run(run(config), args.event_loop))
 
 
+def _check_request_flags(parser: argparse.ArgumentParser, args) -> None:
+    """Triton's request flags: the HTTP input limit and the header forward patterns."""
+    if args.http_max_input_size < 1:
+        parser.error(f"--http-max-input-size must be a positive number of bytes, got {args.http_max_input_size}")
+    for flag, pattern in (("--grpc-header-forward-pattern", args.grpc_header_forward_pattern),
+                          ("--http-header-forward-pattern", args.http_header_forward_pattern)):
+        try:
+            header_forward(pattern)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+
+
 def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
     """Refuse flag combinations that cannot work, before anything starts."""
     if not args.model_repository.is_dir():
@@ -158,6 +177,7 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"{flag} must be 0 (no limit) or a number of bytes, got {value}")
     if args.frontend_processes < 1:
         parser.error(f"--frontend-processes must be 1 or more, got {args.frontend_processes}")
+    _check_request_flags(parser, args)
     if args.frontend_arena_bytes is not None and args.frontend_arena_bytes < 0:
         parser.error(f"--frontend-arena-bytes must be 0 (always inline) or a number of bytes, got {args.frontend_arena_bytes}")
     try:

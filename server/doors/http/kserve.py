@@ -30,6 +30,7 @@ from server.tensors.shared_memory import SharedMemoryRegistry
 from server.observability.tracing import doors as trace_doors
 from server.observability.tracing.control import TraceControl
 from server.observability.tracing.record import HTTP_RECV_END
+from server.doors.header_forward import HeaderForward
 from server.doors.http import raw_body, tensors
 from server.doors.http.body import read_body
 from server.doors.http.errors import kserve_error, message_of, status_of
@@ -58,8 +59,9 @@ def model_paths(suffix: str) -> list[str]:
 class KServeRoutes:
     def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl, control: ModelControl,
                  server_name: str = "ferry", regions: SharedMemoryRegistry | None = None,
-                 tracing: TraceControl | None = None):
+                 tracing: TraceControl | None = None, forward: HeaderForward | None = None):
         self.registry, self.health, self.body_limit, self.control = registry, health, body_limit, control
+        self.forward = forward  # --http-header-forward-pattern: headers made request parameters
         self.logs, self.server_name = logs, server_name  # the name ServerMetadata gives on gRPC too (--server-name)
         self.regions = regions if regions is not None else SharedMemoryRegistry()  # shared with gRPC's
         self.tracing = tracing or TraceControl()
@@ -185,6 +187,8 @@ class KServeRoutes:
             decoded = raw_body.decode_raw(mv.signature, body)
         else:
             decoded = tensors.decode_infer(*tensors.split_body(body, header_length), self.regions, self.body_limit)
+        if self.forward is not None:
+            decoded.parameters.update(self.forward.parameters(request.headers.items()))
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
         targets = self.regions.targets(decoded.placements)  # regions checked before any work
         if trace is not None:

@@ -29,6 +29,7 @@ from server.doors.http.generate import GenerateRoutes
 from server.doors.http.kserve import KServeRoutes
 from server.doors.http.openai_api import OpenAIRoutes
 from server.doors.http.shared_memory import SharedMemoryRoutes
+from server.doors.header_forward import header_forward
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class WebOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     body_limit: int = 2**31 - 1  # bytes, as gRPC's message limit
+    header_forward: str | None = None  # --http-header-forward-pattern: headers made request parameters
 
 
 def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
@@ -45,7 +47,8 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
               regions: SharedMemoryRegistry | None = None, tracing: TraceControl | None = None):
     """`regions`: the system shared memory regions, the same registry the gRPC door serves (one set per server)."""
     regions = regions if regions is not None else SharedMemoryRegistry()
-    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing).routes()
+    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing,
+                           header_forward(options.header_forward)).routes()
               + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit, tracing).routes()
               + OpenAIRoutes(registry, options.body_limit, tracing).routes())
