@@ -143,7 +143,13 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
                 return await trace_doors.grpc_unary(trace, arrival, context, call)
         # Untraced (nearly every call): _infer's steps without a coroutine of its own, answered as bytes (_reply).
         mv, infer, counts, targets = self._admit(request, arrival, context.time_remaining(), self._forwarded(context))
-        return _reply(request, mv, infer, await mv.runner.infer(infer), counts, targets)
+        if not self.shared_memory:  # no region registered: none to keep while this request runs
+            return _reply(request, mv, infer, await mv.runner.infer(infer), counts, targets)
+        held = self.shared_memory.hold(shm_rpc.region_names(request))
+        try:  # a region unregistered meanwhile stays registered until this request ends, as in Triton
+            return _reply(request, mv, infer, await mv.runner.infer(infer), counts, targets)
+        finally:
+            self.shared_memory.release(held)
 
     async def ModelStreamInfer(self, request_iterator, context):
         async def infer_one(request, arrival, trace):  # the stream's headers, read per request so a refusal is its answer
@@ -171,10 +177,14 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
         mv, infer, counts, targets = self._admit(request, arrival, remaining_s, forwarded)
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
-        outputs = await mv.runner.infer(infer)
-        if trace is not None:
-            trace_doors.answered(trace, outputs)
-        return _response(request, mv, infer, outputs, counts, targets)
+        held = self.shared_memory.hold(shm_rpc.region_names(request)) if self.shared_memory else ()
+        try:  # see ModelInfer
+            outputs = await mv.runner.infer(infer)
+            if trace is not None:
+                trace_doors.answered(trace, outputs)
+            return _response(request, mv, infer, outputs, counts, targets)
+        finally:
+            self.shared_memory.release(held)
 
     def _admit(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, forwarded: dict | None = None):
         """The version to serve, the checked request, its classification counts and its output regions (checked

@@ -193,11 +193,15 @@ class KServeRoutes:
         targets = self.regions.targets(decoded.placements)  # regions checked before any work
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
-        outputs = await mv.runner.infer(infer)
-        if trace is not None:
-            trace_doors.answered(trace, outputs)
-        names = infer.requested_outputs or tuple(mv.signature.outputs)
-        data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names, targets)
+        held = self.regions.hold([*decoded.input_regions, *(p.region for p in decoded.placements)]) if self.regions else ()
+        try:  # a region unregistered meanwhile stays registered until this request ends, as in Triton
+            outputs = await mv.runner.infer(infer)
+            if trace is not None:
+                trace_doors.answered(trace, outputs)
+            names = infer.requested_outputs or tuple(mv.signature.outputs)
+            data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names, targets)
+        finally:
+            self.regions.release(held)
         if header_length is None:
             return Response(data, media_type="application/json")
         return Response(data, media_type="application/octet-stream",

@@ -41,6 +41,7 @@ class DecodedInfer:
     parameters: dict[str, Any] = field(default_factory=dict)
     id: str = ""
     placements: list[Placement] = field(default_factory=list)  # requested outputs to write into shared memory
+    input_regions: list[str] = field(default_factory=list)  # the regions inputs were read from
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
@@ -74,6 +75,7 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
     if not isinstance(given, list) or not given:
         raise InvalidInputError("the inference request needs 'inputs': a non-empty list of tensors")
     inputs: dict[str, np.ndarray] = {}
+    input_regions: list[str] = []
     offset = expanded = 0
     for tensor in given:
         name, dtype, shape, params = _tensor_fields(tensor)
@@ -83,6 +85,7 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
         size = params.get("binary_data_size")
         if where is not None:
             inputs[name] = _shared(regions).read(where, dtype, shape)
+            input_regions.append(where.region)
         elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise InvalidInputError(f"input {shown(name)}: binary_data_size {capped(repr(size), 40)} does not fit the "
@@ -108,7 +111,8 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInputError(f"'id' must be a string, got {type(request_id).__name__}")
-    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id, placements)
+    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id, placements,
+                        input_regions)
 
 
 def _tensor_fields(tensor) -> tuple[str, datatypes.DataType, tuple[int, ...], dict]:
