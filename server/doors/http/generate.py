@@ -55,7 +55,7 @@ class GenerateRoutes:
             return JSONResponse(generate_tensors.one_answer(answers))
         mv, body, generation, traced = await self._start(request)
         text, last = await (generation.collect() if traced is None else traced.collect(generation))
-        response = JSONResponse(answer(mv.name, mv.version, whole_text(body, text), last))
+        response = JSONResponse(answer(mv.name, mv.version, whole_text(body, text), last, body.get("id")))
         return response if traced is None else traced.respond(response)
 
     @kserve_errors
@@ -63,13 +63,13 @@ class GenerateRoutes:
         tensor_model = self._tensor_model(request)
         if tensor_model is not None:
             return await self._tensor_stream(tensor_model, await self._body(request))
-        mv, _, generation, traced = await self._start(request)
+        mv, body, generation, traced = await self._start(request)
         events = generation.events() if traced is None else traced.events(generation.events())
 
         async def frames():
             try:
                 async for event in events:
-                    yield streaming.sse(answer(mv.name, mv.version, event.text, event))
+                    yield streaming.sse(answer(mv.name, mv.version, event.text, event, body.get("id")))
             except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
                 yield streaming.sse({"error": message_of(exc)})
 
@@ -157,8 +157,10 @@ def _json_object(raw) -> dict:
     return value
 
 
-def answer(model: str, version, text: str, event) -> dict:
-    out = {"model_name": model, "model_version": str(version), "text_output": text}
+def answer(model: str, version, text: str, event, request_id=None) -> dict:
+    """Triton's generate response: the request's `id` echoed (when given and not empty), then the text."""
+    out = {"id": request_id} if isinstance(request_id, str) and request_id else {}
+    out.update(model_name=model, model_version=str(version), text_output=text)
     if event.finish_reason is not None:
         out["finish_reason"] = event.finish_reason
         out["usage"] = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens}
