@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests import builders, model_kinds
+from tests import builders, kserve, model_kinds
 from tests.conftest import RunningServer
 
 if importlib.util.find_spec("tritonclient") is None:
@@ -54,7 +54,7 @@ ensemble_scheduling {{ step [ {written} ] }}
 
 
 @pytest.fixture(scope="module")
-def found(tmp_path_factory) -> dict:
+def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     builders.double(repo)
     model_kinds.python_model(repo, "py_n", PY_MODEL.format(expression='inputs["X"] + 1'), py_config(0, "[-1]"))
@@ -66,14 +66,17 @@ def found(tmp_path_factory) -> dict:
     flat_ensemble(repo, "flat", "[-1]", [("onnx_b", "IN", "a"), ("py_n", "a", "b"), ("py_b", "b", "OUT")])
     # table: IN [rows, 4] -> onnx_b (a batch of `rows`, zero included) -> py_n2 (not batching: [rows, 4]) -> OUT
     flat_ensemble(repo, "table", "[-1, 4]", [("onnx_b", "IN", "a"), ("py_n2", "a", "OUT")])
-    server = RunningServer(repo)
-    try:
-        done = subprocess.run([sys.executable, str(SCRIPT), server.address, server.http_address],
-                              capture_output=True, text=True, timeout=180)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
-    finally:
-        server.stop()
+    running = RunningServer(repo)
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def found(server) -> dict:
+    done = subprocess.run([sys.executable, str(SCRIPT), server.address, server.http_address],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
 
 
 FLAT = {"three": [1, -2, 3.5], "one": [4], "empty": []}
@@ -109,3 +112,14 @@ ZERO = {"zero_onnx_b_0x3": [0, 3], "zero_onnx_b_1x0": [1, 0], "zero_py_b_0x2": [
 def test_zero_size_tensors_through_every_kind_of_model(found, door, case):
     answer = found[door][case]
     assert answer.get("shape") == ZERO[case], answer  # an empty answer of the same shape, not an error
+
+
+def test_zero_row_requests_batch_with_others(server):
+    """Requests of 0, 2, 0 and 1 rows sent at once to a dynamic-batching model: each gets its own rows back."""
+    stub = kserve.stub(server.channel)
+    rows = [0, 2, 0, 1]
+    values = [np.arange(r * 3, dtype=np.float32).reshape(r, 3) + 10 * i for i, r in enumerate(rows)]
+    calls = [stub.ModelInfer.future(kserve.request("onnx_b", {"X": v}), timeout=60) for v in values]
+    for call, value in zip(calls, values):
+        out = kserve.outputs(call.result())["Y"]
+        assert out.shape == value.shape and out.tolist() == (value * 2).tolist()
