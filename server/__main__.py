@@ -162,6 +162,9 @@ def _check_request_flags(parser: argparse.ArgumentParser, args) -> None:
             header_forward(pattern)
         except ValueError as exc:
             parser.error(f"{flag}: {exc}")
+    if args.grpc_header_forward_pattern and args.frontend_processes > 1:  # refused, never silently ignored
+        parser.error("--grpc-header-forward-pattern is served by the one-process gRPC door only; "
+                     "drop it or --frontend-processes")
 
 
 def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:

@@ -121,3 +121,15 @@ def test_a_bls_call_carries_the_parameters_it_is_given(found, door):
 def test_a_forwarded_header_with_a_reserved_name_is_refused(found, door):
     for name, answer in found[door]["reserved"].items():
         assert f"Header '{name}' is reserved for Triton usage and cannot be forwarded." in answer["error"], answer
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--grpc-header-forward-pattern", "("], "is not a valid regular expression"),
+    (["--http-header-forward-pattern", "[x"], "is not a valid regular expression"),
+    (["--grpc-header-forward-pattern", "^x", "--frontend-processes", "2"], "served by the one-process gRPC door only"),
+    (["--http-max-input-size", "0"], "--http-max-input-size must be a positive number of bytes"),
+])
+def test_bad_request_flags_are_refused_before_serving(flags, words):
+    done = subprocess.run([sys.executable, "-m", "server", "serve", "--model-repository", ".", *flags],
+                          capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 2 and words in done.stderr, done.stderr
