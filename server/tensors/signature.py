@@ -79,7 +79,7 @@ class Signature:
                 raise InvalidInputError(f"input {shown(name)} of model '{self.model}' is filled in by the server; do not send it")
             if name not in self.inputs:
                 raise InvalidInputError(
-                    f"unexpected input {shown(name)} for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
+                    f"unexpected inference input {shown(name)} for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
                 )
         missing = [n for n, s in self.inputs.items() if n not in inputs and not s.optional]
         if missing:

@@ -45,6 +45,8 @@ def assert_still_serving(server):
     (simple_body(outputs=[{"name": "OUTPUT0"}, {"name": "OUTPUT0"}]), 400, "output 'OUTPUT0' already exists in request"),
     ({"inputs": simple_body()["inputs"][:1]}, 400,
      "expected 2 inputs but got 1 inputs for model 'simple'. Got input(s) ['INPUT0'], but missing required input(s) ['INPUT1']"),
+    ({"inputs": [*simple_body()["inputs"], {"name": "EXTRA", "datatype": "FP32", "shape": [1], "data": [1]}]}, 400,
+     "unexpected inference input 'EXTRA' for model 'simple'"),
     (simple_body(parameters={"triton_anything": 1}), 400, "parameter keys starting with 'triton_' are reserved for Triton usage"),
     (simple_body(parameters={"triton_enable_empty_final_response": True}), 400, "reserved for Triton usage"),
     ({"inputs": [{"name": "INPUT0", "shape": [2, -5], "datatype": "FP32", "data": [1.0]}]}, 400, "dimension -5"),

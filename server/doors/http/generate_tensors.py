@@ -91,7 +91,13 @@ def request(mv, body: dict, limit: int | None = None):
     arrival = time.monotonic_ns()
     read = _Request(mv, limit)
     read.read(getattr(body, "pairs", list(body.items())))
-    return infer_request(mv, read.inputs, (), read.parameters, read.id, arrival, None)
+    try:
+        return infer_request(mv, read.inputs, (), read.parameters, read.id, arrival, None)
+    except InvalidInputError as exc:
+        if "text_input" not in read.parameters:
+            raise
+        raise InvalidInputError(f"{exc.message}; model '{mv.name}' is not a generation model (its backend is "
+                                f"{mv.config.backend!r}): send its inputs by name, not 'text_input'") from None
 
 
 def _tensor(mv, name: str, value) -> np.ndarray:
