@@ -39,6 +39,7 @@ SHM_DIR = Path("/dev/shm")
 # Triton reserves this key prefix for its Python backend's own regions and refuses it; so does Ferry.
 RESERVED_PREFIX = "triton_python_backend_shm_region_"
 REGION, OFFSET, BYTE_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
+_SIZE_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,9 @@ def placement(tensor: str, params: dict) -> Placement | None:
             raise InvalidInputError(f"'{key}' for tensor {shown(tensor)} must be a non-negative int64_param, "
                                     f"got {capped(repr(value), 60)}")
         values[key] = value
+    if values[OFFSET] + values[BYTE_SIZE] > _SIZE_MAX:  # JSON integers have no bound: Triton's words
+        raise InvalidInputError(f"Integer overflow detected: byte_size ({values[BYTE_SIZE]}) + offset ({values[OFFSET]}) "
+                                f"exceeds maximum value ({_SIZE_MAX}) for region {shown(region)}")
     return Placement(tensor, region, values[OFFSET], values[BYTE_SIZE])
 
 
@@ -194,8 +198,8 @@ class SharedMemoryRegistry:
             raise InvalidInputError(f"cannot register shared memory region {shown(name)} with key {shown(key)} as the "
                                     f"key contains the reserved prefix '{RESERVED_PREFIX}'")
         if not base or "/" in base or base in (".", "..") or "\0" in base:
-            raise InvalidInputError(f"failed to register shared memory region {shown(name)}: key {shown(key)} is not a "
-                                    "POSIX shared memory name: use '/' followed by a name without further '/'")
+            raise InvalidInputError(f"cannot register shared memory region {shown(name)} - invalid shm key {shown(key)}: "
+                                    "a POSIX shared memory name is '/' followed by a name without further '/'")
         return self.directory / base
 
     def get(self, name: str) -> Region:

@@ -109,3 +109,17 @@ def test_duplicate_output_names_are_refused_over_grpc_too(server):
         kserve.stub(server.channel).ModelInfer(request, timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "output 'OUTPUT1' already exists in request" in info.value.details()
+
+
+def test_a_tensor_whose_bytes_do_not_fill_its_shape_is_refused_in_tritons_words(server):
+    header = json.dumps({"inputs": [{"name": n, "datatype": "FP32", "shape": [1, 4], "parameters": {"binary_data_size": 8}}
+                                    for n in ("INPUT0", "INPUT1")]}).encode()
+    answer = post(server, "/v2/models/simple/infer", content=header + bytes(16),
+                  headers={"Inference-Header-Content-Length": str(len(header))})
+    assert answer.status_code == 400, answer.text
+    assert "input byte size mismatch for input 'INPUT0' for model 'simple'. Expected 16, got 8" in answer.json()["error"]
+    request = kserve.request("simple", {"INPUT0": np.zeros((1, 4), np.float32), "INPUT1": np.zeros((1, 4), np.float32)})
+    request.raw_input_contents[1] = bytes(12)
+    with pytest.raises(grpc.RpcError) as info:
+        kserve.stub(server.channel).ModelInfer(request, timeout=60)
+    assert "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 16, got 12" in info.value.details()

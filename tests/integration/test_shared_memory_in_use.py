@@ -105,6 +105,17 @@ def test_registering_past_the_objects_end_is_invalid_args(server, shm_objects):
     assert listed(server) == []
 
 
+def test_tritons_words_for_a_bad_key_and_an_overflowing_placement(server, shm_objects):
+    bad = shm(server, "systemsharedmemory/region/r/register", json={"key": "///", "offset": 0, "byte_size": 8})
+    assert bad.status_code == 400 and "cannot register shared memory region 'r' - invalid shm key '///'" in bad.json()["error"]
+    register(server, shm_objects)
+    body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}],
+            "outputs": [{"name": "Y", "parameters": {"shared_memory_region": "out", "shared_memory_offset": 32,
+                                                     "shared_memory_byte_size": 2**64 - 32}}]}
+    answer = shm(server, "models/held/infer", json=body)
+    assert answer.status_code == 400 and "Integer overflow detected: byte_size" in answer.json()["error"], answer.text
+
+
 @pytest.mark.parametrize("body, words", [
     ({"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "device_id": 0, "byte_size": 0}, "byte_size must be positive"),
     ({"raw_handle": {"b64": base64.b64encode(bytes(64)).decode()}, "device_id": -1, "byte_size": 8}, "device_id"),

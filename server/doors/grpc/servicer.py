@@ -14,6 +14,7 @@ from server.doors.shared import infer_request, model_ready, serving
 from server.observability.log_settings import LogControl
 from server.doors.model_control import ModelControl
 from server.doors.header_forward import HeaderForward
+from server.tensors.wire import ByteSizeError
 from server.observability.metrics import INFER_DURATIONS
 from server.names import parse_version
 from server.repository.registry import READY, ModelVersion, Registry
@@ -234,7 +235,10 @@ def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, re
             read_shared, wanted, forwarded: dict | None = None) -> tuple[InferRequest, dict[str, int]]:
     """The checked request, and the outputs asked for (`wanted`: its `outputs`) as classes (output name -> k;
     a bad `classification` is refused here, before any work). `forwarded`: parameters from headers."""
-    inputs = codec.decode_inputs(request, read_shared)
+    try:
+        inputs = codec.decode_inputs(request, read_shared)
+    except ByteSizeError as exc:  # Triton's words name the model
+        raise exc.for_model(mv.name) from None
     requested = tuple(o.name for o in wanted) if wanted else ()
     params = codec.decode_parameters(request.parameters)
     if forwarded:

@@ -31,6 +31,7 @@ from server.observability.tracing import doors as trace_doors
 from server.observability.tracing.control import TraceControl
 from server.observability.tracing.record import HTTP_RECV_END
 from server.doors.header_forward import HeaderForward
+from server.tensors.wire import ByteSizeError
 from server.doors.http import raw_body, tensors
 from server.doors.http.body import read_body
 from server.doors.http.errors import kserve_error, message_of, status_of
@@ -182,11 +183,7 @@ class KServeRoutes:
         body = await read_body(request, self.body_limit)
         if trace is not None:
             trace.mark(HTTP_RECV_END)
-        header_length = request.headers.get("inference-header-content-length")
-        if raw_body.is_raw(header_length):  # no JSON header: the body is the one input's bytes
-            decoded = raw_body.decode_raw(mv.signature, body)
-        else:
-            decoded = tensors.decode_infer(*tensors.split_body(body, header_length), self.regions, self.body_limit)
+        decoded = self._decode(mv, body, request.headers.get("inference-header-content-length"))
         if self.forward is not None:
             decoded.parameters.update(self.forward.parameters(request.headers.items()))
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
@@ -206,6 +203,14 @@ class KServeRoutes:
             return Response(data, media_type="application/json")
         return Response(data, media_type="application/octet-stream",
                         headers={"Inference-Header-Content-Length": str(header_length)})
+
+    def _decode(self, mv: ModelVersion, body: bytes, header_length: str | None) -> tensors.DecodedInfer:
+        try:
+            if raw_body.is_raw(header_length):  # no JSON header: the body is the one input's bytes
+                return raw_body.decode_raw(mv.signature, body)
+            return tensors.decode_infer(*tensors.split_body(body, header_length), self.regions, self.body_limit)
+        except ByteSizeError as exc:  # Triton's words name the model
+            raise exc.for_model(mv.name) from None
 
     async def _json(self, request: Request, default):
         body = await read_body(request, self.body_limit)
