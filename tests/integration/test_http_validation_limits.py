@@ -123,3 +123,19 @@ def test_a_tensor_whose_bytes_do_not_fill_its_shape_is_refused_in_tritons_words(
     with pytest.raises(grpc.RpcError) as info:
         kserve.stub(server.channel).ModelInfer(request, timeout=60)
     assert "input byte size mismatch for input 'INPUT1' for model 'simple'. Expected 16, got 12" in info.value.details()
+
+
+@pytest.mark.parametrize("depth, ok", [(50, True), (120, False)])
+def test_json_data_nested_past_tritons_limit_is_refused(server, depth, ok):
+    def nested(value):
+        for _ in range(depth):
+            value = [value]
+        return value
+
+    body = {"inputs": [{"name": n, "datatype": "FP32", "shape": [1, 4], "data": nested([1, 2, 3, 4])}
+                       for n in ("INPUT0", "INPUT1")]}
+    answer = post(server, "/v2/models/simple/infer", json=body)
+    if ok:
+        assert answer.status_code == 200 and answer.json()["outputs"][0]["data"] == [2.0, 4.0, 6.0, 8.0], answer.text
+    else:
+        assert answer.status_code == 400 and "JSON nesting depth exceeds maximum allowed limit (100)" in answer.json()["error"]

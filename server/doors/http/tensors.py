@@ -28,6 +28,8 @@ from server.tensors.shared_memory import Placement, SharedMemoryRegistry, placem
 from server.names import capped, shown
 from server.request import parameters_of
 
+MAX_JSON_DEPTH = 100  # Triton's HTTP_MAX_JSON_NESTING_DEPTH, for a tensor's `data`
+
 # Which numpy kinds a JSON list may parse into, per target kind: ints never from floats, bools only from bools.
 _ACCEPTED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
 
@@ -134,6 +136,7 @@ def _tensor_fields(tensor) -> tuple[str, datatypes.DataType, tuple[int, ...], di
 
 def _from_json(name: str, dtype: datatypes.DataType, shape: tuple[int, ...], data) -> np.ndarray:
     count = math.prod(shape)
+    _check_depth(name, data)
     if dtype.api == "BYTES":
         flat = np.array(data, dtype=object).reshape(-1) if isinstance(data, list) else None
         if flat is None or flat.size != count or not all(isinstance(v, str) for v in flat):
@@ -156,6 +159,16 @@ def _from_json(name: str, dtype: datatypes.DataType, shape: tuple[int, ...], dat
         if parsed.min() < info.min or parsed.max() > info.max:
             raise InvalidInputError(f"input {shown(name)}: values outside the {dtype.api} range [{info.min}, {info.max}]")
     return parsed.astype(dtype.numpy, copy=False).reshape(shape)
+
+
+def _check_depth(name: str, data) -> None:
+    """Triton's limit on JSON nesting, along the first elements (a regular list nests as deep everywhere)."""
+    depth = 0
+    while isinstance(data, list) and data:
+        depth, data = depth + 1, data[0]
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidInputError(f"input {shown(name)}: JSON nesting depth exceeds maximum allowed limit "
+                                    f"({MAX_JSON_DEPTH})")
 
 
 def _kind_name(kind: str) -> str:
