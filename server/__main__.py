@@ -84,6 +84,8 @@ def _serve_parser(sub) -> None:
     access.add_argument("--allow-shared-memory", action="store_true",
                         help="let clients register system shared-memory regions (maps files from /dev/shm into this "
                              "process); off by default")
+    access.add_argument("--allow-client-shm", nargs="?", const=True, default=None, type=_on_off, metavar="true|false",
+                        help="Triton's spelling of --allow-shared-memory (`--allow-client-shm=true`), so its scripts run as written")
     access.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
                         help="as Triton's: gRPC calls in these categories (health, metadata, inference, shared-memory, "
                              "model-config, model-repository, statistics, trace, logging) need the metadata "
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
         grpc_header_forward=args.grpc_header_forward_pattern,
         model_control_mode=args.model_control_mode,
         allow_model_upload=args.allow_model_upload,
-        allow_shared_memory=args.allow_shared_memory,
+        allow_shared_memory=args.allow_shared_memory or bool(args.allow_client_shm),
         allow_log_settings=args.allow_log_settings,
         grpc_restricted=_restrictions(parser, "--grpc-restricted-protocol", args.grpc_restricted_protocol),
         http_restricted=_restrictions(parser, "--http-restricted-api", args.http_restricted_api),
@@ -150,6 +152,15 @@ def main(argv: list[str] | None = None) -> None:
         **({} if args.frontend_arena_bytes is None else {"frontend_arena_bytes": args.frontend_arena_bytes}),
     )
     raise SystemExit(event_loop.run(run(config), args.event_loop))
+
+
+def _on_off(value: str) -> bool:
+    """A Triton boolean flag's value."""
+    if value.lower() in ("true", "1", "on", "yes"):
+        return True
+    if value.lower() in ("false", "0", "off", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def _check_request_flags(parser: argparse.ArgumentParser, args) -> None:

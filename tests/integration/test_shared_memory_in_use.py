@@ -141,3 +141,15 @@ def test_cuda_registration_on_a_server_without_shared_memory_says_so_first(tmp_p
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED and "Client shared memory is disabled" in info.value.details()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("flag, allowed", [("--allow-client-shm=true", True), ("--allow-client-shm=false", False)])
+def test_tritons_allow_client_shm_flag(tmp_path, shm_objects, flag, allowed):
+    builders.add_sub(tmp_path / "simple" / "1" / "model.onnx")
+    server = RunningServer(tmp_path, flag)
+    try:
+        answer = shm(server, "systemsharedmemory/region/r/register", json={"key": shm_objects[0], "offset": 0, "byte_size": 64})
+        assert answer.status_code == (200 if allowed else 403), answer.text
+        assert listed(server) == (["r"] if allowed else [])
+    finally:
+        server.stop()
