@@ -11,7 +11,8 @@ from pathlib import Path
 from clients.cli import add_client_commands
 from server.batch.cli import add_batch_command
 from server import __version__, event_loop
-from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, MAX_QUEUED_REQUESTS
+from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S, HTTP_MAX_INPUT_SIZE, MAX_QUEUED_REQUESTS
+from server.doors.header_forward import header_forward
 from server.doors.tokens import Tokens, read_tokens
 from server.doors.grpc.server import MAX_MESSAGE_BYTES, RpcOptions
 from server.doors.ports import PortUnavailable
@@ -26,6 +27,13 @@ def _serve_parser(sub) -> None:
                    help="KServe v2 REST, generate and OpenAI-compatible HTTP port; 0 picks a free port and prints it, -1 disables")
     p.add_argument("--metrics-port", type=int, default=8002, help="Prometheus /metrics port; 0 picks one, -1 disables")
     p.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES, help="gRPC send/receive limit, and the HTTP body limit")
+    p.add_argument("--grpc-header-forward-pattern", default=None,
+                   help="Triton's flag: gRPC metadata whose name matches this regular expression (case-insensitive "
+                        "unless it starts with (?-i)) becomes string request parameters")
+    p.add_argument("--http-header-forward-pattern", default=None, help="the same for HTTP infer request headers")
+    p.add_argument("--http-max-input-size", type=int, default=HTTP_MAX_INPUT_SIZE,
+                   help="HTTP request limit in bytes, as Triton's flag: the body, and the tensors JSON data expands to "
+                        "(default 64 MiB; never above --max-message-bytes)")
     p.add_argument("--default-max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE, help="max_batch_size for auto-completed configs")
     p.add_argument("--max-queued-requests", type=int, default=MAX_QUEUED_REQUESTS,
                    help="per model version: refuse beyond this many queued requests even if max_queue_size is 0")
@@ -78,6 +86,8 @@ def _serve_parser(sub) -> None:
     access.add_argument("--allow-shared-memory", action="store_true",
                         help="let clients register system shared-memory regions (maps files from /dev/shm into this "
                              "process); off by default")
+    access.add_argument("--allow-client-shm", nargs="?", const=True, default=None, type=_on_off, metavar="true|false",
+                        help="Triton's spelling of --allow-shared-memory (`--allow-client-shm=true`), so its scripts run as written")
     access.add_argument("--grpc-restricted-protocol", action="append", default=[], metavar="CATEGORIES:KEY=VALUE",
                         help="as Triton's: gRPC calls in these categories (health, metadata, inference, shared-memory, "
                              "model-config, model-repository, statistics, trace, logging) need the metadata "
@@ -124,11 +134,14 @@ def main(argv: list[str] | None = None) -> None:
         poll_repository_s=poll_s,
         tokens=tokens,
         metrics_host=args.metrics_host,
-        web=None if args.http_port < 0 else WebOptions(args.host, args.http_port, args.max_message_bytes),
+        web=None if args.http_port < 0 else WebOptions(args.host, args.http_port,
+                                                                     min(args.max_message_bytes, args.http_max_input_size),
+                                                                     args.http_header_forward_pattern),
         server_name=args.server_name,
+        grpc_header_forward=args.grpc_header_forward_pattern,
         model_control_mode=args.model_control_mode,
         allow_model_upload=args.allow_model_upload,
-        allow_shared_memory=args.allow_shared_memory,
+        allow_shared_memory=args.allow_shared_memory or bool(args.allow_client_shm),
         allow_log_settings=args.allow_log_settings,
         grpc_restricted=_restrictions(parser, "--grpc-restricted-protocol", args.grpc_restricted_protocol),
         http_restricted=_restrictions(parser, "--http-restricted-api", args.http_restricted_api),
@@ -148,6 +161,30 @@ def main(argv: list[str] | None = None) -> None:
     raise SystemExit(status)
 
 
+def _on_off(value: str) -> bool:
+    """A Triton boolean flag's value."""
+    if value.lower() in ("true", "1", "on", "yes"):
+        return True
+    if value.lower() in ("false", "0", "off", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def _check_request_flags(parser: argparse.ArgumentParser, args) -> None:
+    """Triton's request flags: the HTTP input limit and the header forward patterns."""
+    if args.http_max_input_size < 1:
+        parser.error(f"--http-max-input-size must be a positive number of bytes, got {args.http_max_input_size}")
+    for flag, pattern in (("--grpc-header-forward-pattern", args.grpc_header_forward_pattern),
+                          ("--http-header-forward-pattern", args.http_header_forward_pattern)):
+        try:
+            header_forward(pattern)
+        except ValueError as exc:
+            parser.error(f"{flag}: {exc}")
+    if args.grpc_header_forward_pattern and args.frontend_processes > 1:  # refused, never silently ignored
+        parser.error("--grpc-header-forward-pattern is served by the one-process gRPC door only; "
+                     "drop it or --frontend-processes")
+
+
 def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
     """Refuse flag combinations that cannot work, before anything starts."""
     if not args.model_repository.is_dir():
@@ -161,6 +198,7 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
             parser.error(f"{flag} must be 0 (no limit) or a number of bytes, got {value}")
     if args.frontend_processes < 1:
         parser.error(f"--frontend-processes must be 1 or more, got {args.frontend_processes}")
+    _check_request_flags(parser, args)
     if args.frontend_arena_bytes is not None and args.frontend_arena_bytes < 0:
         parser.error(f"--frontend-arena-bytes must be 0 (always inline) or a number of bytes, got {args.frontend_arena_bytes}")
     try:

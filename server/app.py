@@ -22,6 +22,7 @@ from server.observability.log_settings import LogControl
 from server.observability.metrics import FrontDoorRequests, TraceCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
+from server.doors.header_forward import header_forward
 from server.doors.access import GRPC_HEADER_PREFIX, AccessPolicy, Restriction, restriction_table
 from server.doors.grpc.auth import AccessCheck
 from server.doors.grpc.drain import DrainGate
@@ -53,6 +54,7 @@ class ServerConfig:
     metrics_host: str | None = None  # None: the gRPC host
     web: WebOptions | None = field(default_factory=WebOptions)  # None: no HTTP front door
     server_name: str = "ferry"  # ServerMetadata's name
+    grpc_header_forward: str | None = None  # --grpc-header-forward-pattern: metadata made request parameters
     model_control_mode: str = "none"  # Triton's none (load all, refuse load/unload) | poll | explicit
     allow_model_upload: bool = False  # explicit mode: loads may carry model files (`file:` parameters)
     allow_shared_memory: bool = False  # clients may register system shared-memory regions
@@ -100,7 +102,8 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
                                   config.frontend_arena_bytes, config.event_loop, registry, gate, stop.set, tracing)
             rpc_options = replace(config.rpc, unix_socket=group.engine_socket)
         rpc = RpcServer(rpc_options, [inference_service(InferenceServicer(registry, health, logs, config.server_name,
-                                                                          control, regions, tracing)),
+                                                                          control, regions, tracing,
+                                                                          header_forward(config.grpc_header_forward))),
                                       generation_service(GenerationServicer(registry, tracing))], gates)
         if config.web is not None:
             web = WebServer(config.web, registry, health, gate, http_access, FrontDoorRequests(prom), logs, control,

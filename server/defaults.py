@@ -5,6 +5,7 @@ import os
 DEFAULT_MAX_BATCH_SIZE = 4  # max_batch_size given to configs completed from the model file
 DRAIN_GRACE_S = 30.0  # how long shutdown, unload and reload wait for admitted work
 MAX_QUEUED_REQUESTS = 10_000  # per model version, whatever its queue policy says
+HTTP_MAX_INPUT_SIZE = 1 << 26  # Triton's --http-max-input-size default: an HTTP body, and what its JSON tensors expand to
 DEFAULT_SEQUENCE_IDLE_US = 1_000_000  # Triton's max_sequence_idle_microseconds when a config leaves it unset or 0
 
 

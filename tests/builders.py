@@ -39,6 +39,17 @@ def add_sub(path: Path, width: int = 4) -> Path:
     return save_onnx(nodes, ins, outs, path)
 
 
+def double(repo: Path, name: str = "onnx_b") -> Path:
+    """`name`: ONNX, X [batch, n] FP32 -> Y = 2X, batching (max_batch_size 8, dims [-1])."""
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    path = save_onnx([helper.make_node("Mul", ["X", "two"], ["Y"])], [tensor("X", TensorProto.FLOAT, ["batch", "n"])],
+                     [tensor("Y", TensorProto.FLOAT, ["batch", "n"])], repo / name / "1" / "model.onnx", [two])
+    (repo / name / "config.pbtxt").write_text(
+        'backend: "onnxruntime"\nmax_batch_size: 8\ndynamic_batching {}\n'
+        'input [{name: "X", data_type: TYPE_FP32, dims: [-1]}]\noutput [{name: "Y", data_type: TYPE_FP32, dims: [-1]}]\n')
+    return path
+
+
 def identity_all_types(path: Path, skip: tuple[str, ...] = ()) -> Path:
     """IN_<TYPE> [batch, n] -> OUT_<TYPE>, one pair per KServe datatype numpy can hold."""
     types = {t: e for t, e in ONNX_TYPES.items() if t not in skip}

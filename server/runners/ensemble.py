@@ -25,6 +25,7 @@ from server.observability.metrics import ModelStats
 from server.request import InferRequest
 from server.response_cache import ResponseCache
 from server.runners.base import INFER, Runner, RunnerBase
+from server.runners.ensemble_shapes import fit
 from server.tensors.signature import Signature
 from server.observability.tracing.record import (INFER_RESPONSE_COMPLETE, QUEUE_START, REQUEST_END,
                                                 TENSOR_BACKEND_OUTPUT, step_trace)
@@ -67,6 +68,8 @@ class EnsembleRunner(RunnerBase):
         self.steps = [config.ensemble_scheduling.step[i] for i in order]
         self.step_numbers = order  # as written in the config, for messages
         self.outputs = [t.name for t in config.output]
+        self.output_dims = {t.name: tuple(t.dims) for t in config.output}
+        self.batching = config.max_batch_size > 0
         self.lookup = lookup
         self._in_flight = 0
 
@@ -92,7 +95,7 @@ class EnsembleRunner(RunnerBase):
         if request.trace is not None:  # the ensemble scheduler takes it at once (Triton's QUEUE_START)
             request.trace.mark(QUEUE_START)
         try:
-            tensors = await self._walk(request)
+            tensors, rows = await self._walk(request)
             if request.trace is not None:  # every output made: the ensemble's one response is complete
                 request.trace.mark(INFER_RESPONSE_COMPLETE)
         except FerryError as exc:
@@ -106,11 +109,13 @@ class EnsembleRunner(RunnerBase):
             if not self._accepting:
                 self._wake.set()
         self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=True)
-        return {name: tensors[name] for name in self.outputs}
+        return {name: fit(tensors[name], self.output_dims[name], self.batching, rows[name]) for name in self.outputs}
 
-    async def _walk(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """Every step once, each started when its inputs exist; returns every tensor the steps made."""
+    async def _walk(self, request: InferRequest) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Every step once, each started when its inputs exist; returns every tensor the steps made, and
+        each one's rows (the batch size of the request that made it; 0: made without a batch dimension)."""
         tensors = dict(request.inputs)
+        rows = dict.fromkeys(tensors, request.batch_size if self.batching else 0)
         waiting = list(zip(self.step_numbers, self.steps))
         running: dict[asyncio.Future, Step] = {}
         try:
@@ -118,32 +123,33 @@ class EnsembleRunner(RunnerBase):
                 ready, waiting = _partition(waiting, tensors)
                 if len(ready) == 1 and not running:  # a chain's next link: no task needed
                     number, step = ready[0]
-                    _keep(step, await self._run_step(number, step, request, tensors), tensors)
+                    _keep(step, await self._run_step(number, step, request, tensors, rows), tensors, rows)
                     continue
                 for number, step in ready:
-                    running[asyncio.ensure_future(self._run_step(number, step, request, tensors))] = step
+                    running[asyncio.ensure_future(self._run_step(number, step, request, tensors, rows))] = step
                 finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
                 for task in finished:
-                    _keep(running.pop(task), task.result(), tensors)  # a failed step raises here
+                    _keep(running.pop(task), task.result(), tensors, rows)  # a failed step raises here
         finally:
             await _cancel(running)
-        return tensors
+        return tensors, rows
 
-    async def _run_step(self, number: int, step: Step, request: InferRequest,
-                        tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    async def _run_step(self, number: int, step: Step, request: InferRequest, tensors: dict[str, np.ndarray],
+                        rows: dict[str, int]) -> tuple[dict[str, np.ndarray], int]:
+        """The step's outputs, and their rows (the step request's batch size; 0 for a non-batching model)."""
         where = f"ensemble '{self.name}' step {number} (model '{step.model_name}')"
         try:
             model = self.lookup(step.model_name, _version(step))
             if model.runner.serves != INFER:
                 raise InvalidInputError(f"model '{model.name}' streams its answers and cannot be an ensemble step")
-            step_request = _step_request(model, step, request, tensors)
+            step_request = _step_request(model, step, request, tensors, rows)
             if request.trace is not None:  # traced: the step's request is traced too, with parent_id
                 step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
             try:
                 outputs = await model.runner.infer(step_request)
                 if step_request.trace is not None:
                     step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
-                return outputs
+                return outputs, step_request.batch_size if model.signature.batching else 0
             finally:
                 if step_request.trace is not None:
                     step_request.trace.mark(REQUEST_END)
@@ -173,9 +179,12 @@ def _partition(waiting: list[tuple[int, Step]], tensors: dict[str, np.ndarray]):
     return ready, rest
 
 
-def _keep(step: Step, outputs: dict[str, np.ndarray], tensors: dict[str, np.ndarray]) -> None:
+def _keep(step: Step, answer: tuple[dict[str, np.ndarray], int], tensors: dict[str, np.ndarray],
+          rows: dict[str, int]) -> None:
+    outputs, made_rows = answer
     for step_output, tensor in step.output_map.items():
         tensors[tensor] = outputs[step_output]
+        rows[tensor] = made_rows
 
 
 async def _cancel(running: dict[asyncio.Future, Step]) -> None:
@@ -187,15 +196,21 @@ async def _cancel(running: dict[asyncio.Future, Step]) -> None:
         await asyncio.gather(*running, return_exceptions=True)
 
 
-def _step_request(model: StepModel, step: Step, request: InferRequest,
-                  tensors: dict[str, np.ndarray]) -> InferRequest:
-    inputs = {step_input: tensors[tensor] for step_input, tensor in step.input_map.items()}
+def _step_request(model: StepModel, step: Step, request: InferRequest, tensors: dict[str, np.ndarray],
+                  rows: dict[str, int]) -> InferRequest:
+    inputs = {step_input: _fitted(model, step_input, tensors[tensor], rows[tensor]) for step_input, tensor in step.input_map.items()}
     batch_size, key = model.signature.check_inputs(inputs)
     requested = tuple(step.output_map)
     model.signature.check_outputs(requested)
     return InferRequest(
         model_name=model.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request.id,
-        requested_outputs=requested, priority=request.priority, timeout_us=request.timeout_us,
+        requested_outputs=requested, parameters=dict(request.parameters), priority=request.priority, timeout_us=request.timeout_us,
         deadline_ns=request.deadline_ns, arrival_ns=time.monotonic_ns(), length=model.signature.length(inputs),
         nbytes=sum(a.nbytes for a in inputs.values()),
     )
+
+
+def _fitted(model: StepModel, name: str, value: np.ndarray, rows: int) -> np.ndarray:
+    """The tensor with the batch dimension the step model expects (see ensemble_shapes)."""
+    spec = model.signature.inputs.get(name)
+    return value if spec is None else fit(value, spec.dims, model.signature.batching, rows)

@@ -11,15 +11,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from server.errors import RegionNotFoundError, UnsupportedError
+from server.errors import DisabledError, InvalidInputError, RegionNotFoundError, UnsupportedError
 from server.names import shown
+from server.tensors.shared_memory import REGISTER_REFUSED
 
 REFUSED = ("{operation}: CUDA shared memory is not implemented by Ferry ({device}); use system shared memory "
            "({instead}) or send the tensors in the request")
 
 
-def register(operation: str, instead: str) -> None:
-    """Always refused; `operation` and `instead` are the door's names for this call and for system shared memory."""
+def register(operation: str, instead: str, name: str, device_id: int, byte_size: int, allowed: bool) -> None:
+    """Always refused, but first its arguments are checked, as Triton checks them before it opens the handle, so
+    a client's mistake is answered as one. `operation` and `instead` are the door's names for this call and
+    for system shared memory; `allowed`: whether the server registers client shared memory at all."""
+    if not allowed:
+        raise DisabledError(REGISTER_REFUSED)
+    if not name:
+        raise InvalidInputError("failed to register CUDA shared memory region: invalid args: a region needs a name")
+    where = f"failed to register CUDA shared memory region {shown(name)}: invalid args"
+    if byte_size <= 0:
+        raise InvalidInputError(f"{where}: byte_size must be positive, got {byte_size}")
+    if device_id < 0:
+        raise InvalidInputError(f"{where}: device_id must be a non-negative CUDA device index, got {device_id}")
     gpus = Path("/proc/driver/nvidia/gpus")
     device = ("this server has a CUDA device but does not open CUDA IPC handles" if gpus.is_dir() and any(gpus.iterdir())
               else "no CUDA device is present on this server")

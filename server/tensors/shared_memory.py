@@ -39,6 +39,7 @@ SHM_DIR = Path("/dev/shm")
 # Triton reserves this key prefix for its Python backend's own regions and refuses it; so does Ferry.
 RESERVED_PREFIX = "triton_python_backend_shm_region_"
 REGION, OFFSET, BYTE_SIZE = "shared_memory_region", "shared_memory_offset", "shared_memory_byte_size"
+_SIZE_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +71,9 @@ def placement(tensor: str, params: dict) -> Placement | None:
             raise InvalidInputError(f"'{key}' for tensor {shown(tensor)} must be a non-negative int64_param, "
                                     f"got {capped(repr(value), 60)}")
         values[key] = value
+    if values[OFFSET] + values[BYTE_SIZE] > _SIZE_MAX:  # JSON integers have no bound: Triton's words
+        raise InvalidInputError(f"Integer overflow detected: byte_size ({values[BYTE_SIZE]}) + offset ({values[OFFSET]}) "
+                                f"exceeds maximum value ({_SIZE_MAX}) for region {shown(region)}")
     return Placement(tensor, region, values[OFFSET], values[BYTE_SIZE])
 
 
@@ -91,6 +95,8 @@ class Region:
         self._mapping = mapping
         self._view = memoryview(mapping)[start : start + byte_size]  # the region itself, 0-based
         self.closed = False
+        self.users = 0  # requests in flight that named it (SharedMemoryRegistry.hold)
+        self.unregistered = False  # unregistered while in use: released when its last user ends
 
     def _span(self, use: str, offset: int, byte_size: int) -> memoryview:
         """The bytes [offset, offset + byte_size) of the region, refused unless wholly inside it."""
@@ -142,8 +148,9 @@ class Region:
             log.debug("shared memory region %r: mapping still referenced, unmapped when released", self.name)
 
 
-REGISTER_REFUSED = ("registering a shared memory region is turned off on this server: it maps a file that the client "
-                    "names into the server's memory; start the server with --allow-shared-memory to allow it, or send "
+REGISTER_REFUSED = ("Client shared memory is disabled: registering a shared memory region is turned off on this server "
+                    "(it maps a file that the client "
+                    "names into the server's memory); start the server with --allow-shared-memory to allow it, or send "
                     "the tensors in the request")
 
 
@@ -164,7 +171,8 @@ class SharedMemoryRegistry:
             raise AlreadyExistsError(f"shared memory region {shown(name)} already in manager; unregister it first "
                                      "or register the object under another name")
         if byte_size <= 0:
-            raise InvalidInputError(f"failed to register shared memory region {shown(name)}: byte_size must be positive")
+            raise InvalidInputError(f"failed to register shared memory region {shown(name)}: invalid args: byte_size must "
+                                    "be positive")
         path = self._path(name, key)
         fd = _open(name, key, path)
         try:
@@ -190,8 +198,8 @@ class SharedMemoryRegistry:
             raise InvalidInputError(f"cannot register shared memory region {shown(name)} with key {shown(key)} as the "
                                     f"key contains the reserved prefix '{RESERVED_PREFIX}'")
         if not base or "/" in base or base in (".", "..") or "\0" in base:
-            raise InvalidInputError(f"failed to register shared memory region {shown(name)}: key {shown(key)} is not a "
-                                    "POSIX shared memory name: use '/' followed by a name without further '/'")
+            raise InvalidInputError(f"cannot register shared memory region {shown(name)} - invalid shm key {shown(key)}: "
+                                    "a POSIX shared memory name is '/' followed by a name without further '/'")
         return self.directory / base
 
     def get(self, name: str) -> Region:
@@ -209,14 +217,36 @@ class SharedMemoryRegistry:
         return [self._regions[name]]
 
     def unregister(self, name: str = "") -> None:
-        """One region, or every one when `name` is empty; an unknown name is no error (as Triton)."""
+        """One region, or every one when `name` is empty; an unknown name is no error (as Triton). A region a
+        request in flight named stays registered (listed, and usable by new requests) until its last such
+        request ends, as in Triton; then it goes without another call."""
         if name:
-            regions = [self._regions.pop(name)] if name in self._regions else []
+            regions = [self._regions[name]] if name in self._regions else []
         else:
-            regions, self._regions = list(self._regions.values()), {}
+            regions = list(self._regions.values())
         for region in regions:
-            region.close()
-            log.info("shared memory region %r unregistered", region.name)
+            if region.users:
+                region.unregistered = True
+            else:
+                self._drop(region)
+
+    def hold(self, names) -> list[Region]:
+        """The regions a request names, kept registered until `release` (call it when the request ends)."""
+        held = [self._regions[n] for n in dict.fromkeys(names) if n in self._regions]
+        for region in held:
+            region.users += 1
+        return held
+
+    def release(self, held: list[Region]) -> None:
+        for region in held:
+            region.users -= 1
+            if not region.users and region.unregistered and self._regions.get(region.name) is region:
+                self._drop(region)
+
+    def _drop(self, region: Region) -> None:
+        del self._regions[region.name]
+        region.close()
+        log.info("shared memory region %r unregistered", region.name)
 
     def read(self, where: Placement, dtype: datatypes.DataType, shape: tuple[int, ...]) -> np.ndarray:
         return self.get(where.region).read(where, dtype, shape)
@@ -231,7 +261,9 @@ class SharedMemoryRegistry:
         return found
 
     def close(self) -> None:
-        self.unregister("")
+        """At shutdown: every region, in use or not."""
+        for region in list(self._regions.values()):
+            self._drop(region)
 
     def __len__(self) -> int:
         return len(self._regions)

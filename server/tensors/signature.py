@@ -79,11 +79,11 @@ class Signature:
                 raise InvalidInputError(f"input {shown(name)} of model '{self.model}' is filled in by the server; do not send it")
             if name not in self.inputs:
                 raise InvalidInputError(
-                    f"unexpected input {shown(name)} for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
+                    f"unexpected inference input {shown(name)} for model '{self.model}'; expected inputs: {sorted(self.inputs)}"
                 )
         missing = [n for n, s in self.inputs.items() if n not in inputs and not s.optional]
         if missing:
-            raise InvalidInputError(f"missing input {missing} for model '{self.model}'")
+            raise InvalidInputError(self._missing_message(inputs, missing))
         batch_sizes = set()
         key = []
         for name, spec in self.inputs.items():
@@ -96,10 +96,10 @@ class Signature:
                 self._check_text(spec, value)
             shape = value.shape
             if self.batching:
-                if len(shape) < 1 or shape[0] < 1:
+                if len(shape) < 1 or shape[0] < 0:  # zero rows is a batch, as in Triton: an empty answer
                     raise InvalidInputError(
                         f"input '{name}' has shape {list(shape)}; model '{self.model}' batches, so dim 0 "
-                        f"is the batch size (1..{self.max_batch_size}) followed by dims {list(spec.dims)}"
+                        f"is the batch size (0..{self.max_batch_size}) followed by dims {list(spec.dims)}"
                     )
                 batch_sizes.add(shape[0])
                 shape = shape[1:]
@@ -114,33 +114,46 @@ class Signature:
             )
         return batch_size, tuple(key)
 
+    def _missing_message(self, inputs: dict, missing: list[str]) -> str:
+        """Triton's words, which clients and their tests match on."""
+        required = sum(not s.optional for s in self.inputs.values())
+        total = len(self.inputs)
+        expected = f"{total} inputs" if required == total else f"number of inputs between {required} and {total}"
+        got = "[" + ",".join(f"'{n}'" for n in inputs) + "]"
+        wanted = "[" + ",".join(f"'{n}'" for n in missing) + "]"
+        return (f"expected {expected} but got {len(inputs)} inputs for model '{self.model}'. Got input(s) {got}, "
+                f"but missing required input(s) {wanted}. Please provide all required input(s).")
+
     def _plain_inputs(self, inputs: dict[str, np.ndarray]) -> tuple[int, tuple] | None:
         """check_inputs in one pass for the usual request to a model with nothing optional, padded or read as
         text: every input sent in its declared dtype and dims, one batch size within the limit. None for
         anything else, which the full check then accepts or refuses with its own messages."""
         if len(inputs) != len(self.inputs):
             return None
-        limit, rows, key = self.max_batch_size, 0, []
+        limit, rows, key = self.max_batch_size, -1, []
         for name, spec in self.inputs.items():
             value = inputs.get(name)
             if value is None or value.dtype != spec.datatype.numpy:
                 return None
             shape = value.shape
             if limit > 0:
-                if not shape or not 0 < shape[0] <= limit or (rows and shape[0] != rows):
+                if not shape or not 0 <= shape[0] <= limit or (rows >= 0 and shape[0] != rows):
                     return None
                 rows, shape = shape[0], shape[1:]
             dims = spec.dims
             if shape != dims and (len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape))):
                 return None
             key.append((name, shape))
-        return rows or 1, tuple(key)
+        return (rows if rows >= 0 else 1), tuple(key)
 
     def length(self, inputs: dict[str, np.ndarray]) -> int:
         """A checked request's length along the variable dimension (0 where the model has none)."""
         return self.padding.length(inputs) if self.padding else 0
 
     def check_outputs(self, requested: tuple[str, ...]) -> None:
+        if len(set(requested)) != len(requested):
+            twice = next(n for i, n in enumerate(requested) if n in requested[:i])
+            raise InvalidInputError(f"output {shown(twice)} already exists in request")
         for name in requested:
             if name not in self.outputs:
                 raise InvalidInputError(

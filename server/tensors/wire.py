@@ -50,11 +50,21 @@ def from_raw(name: str, dtype: datatypes.DataType, shape: tuple, data: bytes) ->
     if dtype.api == "BYTES":
         return parse_bytes(name, data, count).reshape(shape)
     if len(data) != count * dtype.itemsize:
-        raise InvalidInputError(
-            f"input {shown(name)}: raw content is {len(data)} bytes but shape {list(shape)} of {dtype.api} needs "
-            f"{count * dtype.itemsize} bytes"
-        )
+        raise ByteSizeError(name, count * dtype.itemsize, len(data), f"{list(shape)} of {dtype.api}")
     return np.frombuffer(data, dtype=dtype.numpy).reshape(shape)
+
+
+class ByteSizeError(InvalidInputError):
+    """A tensor's bytes do not fill its shape; in Triton's words, which name the model where a door knows it."""
+
+    def __init__(self, name: str, expected: int, got: int, shape: str, model: str = ""):
+        self.name, self.expected, self.got, self.shape = name, expected, got, shape
+        where = f" for model '{model}'" if model else ""
+        super().__init__(f"input byte size mismatch for input {shown(name)}{where}. Expected {expected}, got {got}: "
+                         f"raw content is {got} bytes but shape {shape} needs {expected} bytes")
+
+    def for_model(self, model: str) -> ByteSizeError:
+        return ByteSizeError(self.name, self.expected, self.got, self.shape, model)
 
 
 def parse_bytes(name: str, data: bytes, count: int) -> np.ndarray:

@@ -156,6 +156,18 @@ def test_triton_generate_and_generate_stream(env):
     assert status == 400 and "top_p" in json.loads(answer)["error"]
 
 
+def test_triton_generate_echoes_the_request_id(env):
+    server, _, _ = env
+    body = {"id": "42", "text_input": "a ferry", "max_tokens": 2, "parameters": {"ignore_eos": True}}
+    status, answer = post(server, "/v2/models/llama/generate", body)
+    assert status == 200 and json.loads(answer)["id"] == "42"
+    status, answer = post(server, "/v2/models/llama/generate_stream", body)
+    events = [json.loads(line[len(b"data: "):]) for line in answer.split(b"\n\n") if line]
+    assert status == 200 and events and all(e["id"] == "42" for e in events)
+    status, answer = post(server, "/v2/models/llama/generate", {**body, "id": ""})
+    assert status == 200 and "id" not in json.loads(answer)  # an empty id is not echoed, as Triton
+
+
 def test_client_leaving_mid_stream_frees_its_kv_blocks(env):
     server, client, _ = env
     stream = client.completions.create(model="endless", prompt=[3, 4, 5], max_tokens=ENDLESS - 8, temperature=0,

@@ -120,7 +120,7 @@ def test_signature_batch_size_and_join_key():
 
 
 @pytest.mark.parametrize("inputs, words", [
-    ({"a": np.zeros((1, 5, 3), np.float32)}, "missing input"),
+    ({"a": np.zeros((1, 5, 3), np.float32)}, "missing required input"),
     ({"a": np.zeros((1, 5, 4), np.float32), "b": np.zeros((1, 2), np.int64)}, "expects \\[-1, -1, 3\\]"),
     ({"a": np.zeros((1, 5, 3), np.float32), "b": np.zeros((2, 2), np.int64)}, "disagree on the batch size"),
     ({"a": np.zeros((5, 1, 3), np.float32), "b": np.zeros((5, 2), np.int64)}, "exceeds max_batch_size 4"),

@@ -158,7 +158,8 @@ def decode_parameters(params) -> dict[str, Any]:
     out = {}
     for key, param in params.items():
         if key.startswith("triton_") and key not in _RESERVED_TRITON_KEYS:
-            raise InvalidInputError(f"parameter {shown(key)} is reserved (names starting with 'triton_')")
+            raise InvalidInputError(f"parameter {shown(key)}: parameter keys starting with 'triton_' are reserved for Triton "
+                                    "usage and should not be specified.")
         which = param.WhichOneof("parameter_choice")
         out[key] = getattr(param, which) if which else None
     return out

@@ -12,6 +12,8 @@ from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailabl
 from server.doors.shared import class_counts, classified, infer_request, model_ready, serving
 from server.observability.log_settings import LogControl
 from server.doors.model_control import ModelControl
+from server.doors.header_forward import HeaderForward
+from server.tensors.wire import ByteSizeError
 from server.observability.metrics import INFER_DURATIONS
 from server.names import parse_version
 from server.repository.registry import READY, ModelVersion, Registry
@@ -36,7 +38,8 @@ EXTENSIONS = ["model_repository", "model_configuration", "statistics", "schedule
 class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, registry: Registry, health, logs: LogControl, server_name: str = "ferry",
                  control: ModelControl | None = None, shared_memory: SharedMemoryRegistry | None = None,
-                 tracing: TraceControl | None = None):
+                 tracing: TraceControl | None = None, header_forward: HeaderForward | None = None):
+        self.header_forward = header_forward  # --grpc-header-forward-pattern: headers made request parameters
         self.shared_memory = shared_memory if shared_memory is not None else SharedMemoryRegistry()  # the app releases it
         self.registry = registry
         self.health = health  # ServerHealth: live / ready flags owned by the app
@@ -136,18 +139,24 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
         if self.tracing.active:
             trace = self.tracing.begin(request.model_name, request.id, arrival, trace_doors.grpc_carrier(context))
             if trace is not None:
-                call = self._infer(request, arrival, context.time_remaining(), trace)
+                call = self._infer(request, arrival, context.time_remaining(), trace, self._forwarded(context))
                 return await trace_doors.grpc_unary(trace, arrival, context, call)
         # Untraced (nearly every call): _infer's steps without a coroutine of its own, answered as bytes (_reply).
-        mv, infer, counts, targets = self._admit(request, arrival, context.time_remaining())
-        return _reply(request, mv, infer, await mv.runner.infer(infer), counts, targets)
+        mv, infer, counts, targets = self._admit(request, arrival, context.time_remaining(), self._forwarded(context))
+        if not self.shared_memory:  # no region registered: none to keep while this request runs
+            return _reply(request, mv, infer, await mv.runner.infer(infer), counts, targets)
+        held = self.shared_memory.hold(shm_rpc.region_names(request))
+        try:  # a region unregistered meanwhile stays registered until this request ends, as in Triton
+            return _reply(request, mv, infer, await mv.runner.infer(infer), counts, targets)
+        finally:
+            self.shared_memory.release(held)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        async def infer_one(request, arrival, trace):
-            return await self._infer(request, arrival, context.time_remaining(), trace)
+        async def infer_one(request, arrival, trace):  # the stream's headers, read per request so a refusal is its answer
+            return await self._infer(request, arrival, context.time_remaining(), trace, self._forwarded(context))
 
         def stream_one(request, arrival, trace):
-            return self._stream(request, arrival, context.time_remaining(), trace)
+            return self._stream(request, arrival, context.time_remaining(), trace, context)
 
         remaining = context.time_remaining()
         deadline = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else None
@@ -157,27 +166,39 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
             async for response in responses:
                 yield response
 
-    async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None):
-        mv, infer, counts, targets = self._admit(request, arrival, remaining_s)
+    def _forwarded(self, context) -> dict[str, str] | None:
+        """The request parameters --grpc-header-forward-pattern makes of the call's metadata (None: no pattern)."""
+        if self.header_forward is None:
+            return None
+        return self.header_forward.parameters(context.invocation_metadata() or ())
+
+    async def _infer(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None,
+                     forwarded: dict | None = None):
+        mv, infer, counts, targets = self._admit(request, arrival, remaining_s, forwarded)
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
-        outputs = await mv.runner.infer(infer)
-        if trace is not None:
-            trace_doors.answered(trace, outputs)
-        return _response(request, mv, infer, outputs, counts, targets)
+        held = self.shared_memory.hold(shm_rpc.region_names(request)) if self.shared_memory else ()
+        try:  # see ModelInfer
+            outputs = await mv.runner.infer(infer)
+            if trace is not None:
+                trace_doors.answered(trace, outputs)
+            return _response(request, mv, infer, outputs, counts, targets)
+        finally:
+            self.shared_memory.release(held)
 
-    def _admit(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None):
+    def _admit(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, forwarded: dict | None = None):
         """The version to serve, the checked request, its classification counts and its output regions (checked
         before any work)."""
         mv = serving(self.registry, request.model_name, request.model_version, INFER)
         wanted = request.outputs  # read once: each access of a repeated field builds a new wrapper
-        infer, counts = _decode(request, mv, arrival, remaining_s, self._read_shared, wanted)
+        infer, counts = _decode(request, mv, arrival, remaining_s, self._read_shared, wanted, forwarded)
         return mv, infer, counts, (shm_rpc.output_targets(self.shared_memory, wanted) if wanted else {})
 
-    async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None):
+    async def _stream(self, request: pb.ModelInferRequest, arrival: int, remaining_s: float | None, trace=None, context=None):
         """A decoupled model's responses to one request, each encoded as it comes."""
         mv = serving(self.registry, request.model_name, request.model_version, DECOUPLED)
-        infer, _ = _decode(request, mv, arrival, remaining_s, self._read_shared, request.outputs)
+        forwarded = self._forwarded(context) if context is not None else None
+        infer, _ = _decode(request, mv, arrival, remaining_s, self._read_shared, request.outputs, forwarded)
         wanted = _names(infer, mv)
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
@@ -210,12 +231,17 @@ def _names(infer: InferRequest, mv: ModelVersion) -> tuple[str, ...]:
 
 
 def _decode(request: pb.ModelInferRequest, mv: ModelVersion, arrival_ns: int, remaining_s: float | None,
-            read_shared, wanted) -> tuple[InferRequest, dict[str, int]]:
+            read_shared, wanted, forwarded: dict | None = None) -> tuple[InferRequest, dict[str, int]]:
     """The checked request, and the outputs asked for (`wanted`: its `outputs`) as classes (output name -> k;
-    a bad `classification` is refused here, before any work)."""
-    inputs = codec.decode_inputs(request, read_shared)
+    a bad `classification` is refused here, before any work). `forwarded`: parameters from headers."""
+    try:
+        inputs = codec.decode_inputs(request, read_shared)
+    except ByteSizeError as exc:  # Triton's words name the model
+        raise exc.for_model(mv.name) from None
     requested = tuple(o.name for o in wanted) if wanted else ()
     params = codec.decode_parameters(request.parameters)
+    if forwarded:
+        params = {**params, **forwarded}
     infer = infer_request(mv, inputs, requested, params, request.id, arrival_ns, remaining_s, _nbytes(request, inputs))
     return infer, (_class_counts(wanted, mv.signature) if wanted else {})
 

@@ -35,7 +35,8 @@ class SharedMemoryRpcs:
 
     @translate_errors
     async def CudaSharedMemoryRegister(self, request, context):
-        cuda.register("CudaSharedMemoryRegister", "SystemSharedMemoryRegister")
+        cuda.register("CudaSharedMemoryRegister", "SystemSharedMemoryRegister", request.name,
+                      request.device_id, request.byte_size, self.shared_memory.allow_register)
 
     @translate_errors
     async def CudaSharedMemoryStatus(self, request, context):
@@ -63,6 +64,12 @@ def input_reader(registry: SharedMemoryRegistry):
         return None if where is None else registry.read(where, dtype, shape)
 
     return read
+
+
+def region_names(request) -> list[str]:
+    """The regions a ModelInferRequest's inputs and requested outputs name (checked valid by its decode)."""
+    return [t.parameters[REGION].string_param for t in (*request.inputs, *request.outputs)
+            if t.parameters and REGION in t.parameters]
 
 
 def output_targets(registry: SharedMemoryRegistry, outputs) -> dict:

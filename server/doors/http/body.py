@@ -1,8 +1,9 @@
 """Read a request body within the size limit, undoing the request compression tritonclient sends.
 
-The limit is the one gRPC enforces on messages (--max-message-bytes), applied to the body as it
-arrives and again to what decompression yields, so neither a large upload nor a small gzip bomb can
-make the server hold more than the limit.
+The limit is Triton's --http-max-input-size (64 MiB by default, never above gRPC's --max-message-bytes),
+applied to the body as it arrives and again to what decompression yields, so neither a large upload nor
+a small gzip bomb can make the server hold more than the limit. The tensors a body's JSON decodes to are
+held to it too (tensors.decode_infer, generate_tensors), since JSON expands: "1," is an 8-byte INT64.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ class BodyTooLargeError(InvalidInputError):
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise BodyTooLargeError(f"the request body is {declared} bytes; this server accepts at most {limit}")
+        raise BodyTooLargeError(f"request size of {declared} bytes exceeds the maximum allowed input size of {limit} bytes; "
+                                f"this server accepts at most {limit} (--http-max-input-size)")
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise BodyTooLargeError(f"the request body is over {limit} bytes, the most this server accepts")
+            raise BodyTooLargeError(f"request size of over {limit} bytes exceeds the maximum allowed input size of {limit} "
+                                    f"bytes; this server accepts at most {limit} (--http-max-input-size)")
         chunks.append(chunk)
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()

@@ -50,11 +50,12 @@ class GenerateRoutes:
         tensor_model = self._tensor_model(request)
         if tensor_model is not None:  # not a generation model: inputs and outputs by name, as Triton
             body = await self._body(request)
-            answers = [r async for r in generate_tensors.responses(tensor_model, body)]
-            return JSONResponse(answers[-1] if answers else generate_tensors.answer(tensor_model, {}))
+            infer = generate_tensors.request(tensor_model, body, self.body_limit)
+            answers = [r async for r in generate_tensors.responses(tensor_model, infer)]
+            return JSONResponse(generate_tensors.one_answer(answers))
         mv, body, generation, traced = await self._start(request)
         text, last = await (generation.collect() if traced is None else traced.collect(generation))
-        response = JSONResponse(answer(mv.name, mv.version, whole_text(body, text), last))
+        response = JSONResponse(answer(mv.name, mv.version, whole_text(body, text), last, body.get("id")))
         return response if traced is None else traced.respond(response)
 
     @kserve_errors
@@ -62,13 +63,13 @@ class GenerateRoutes:
         tensor_model = self._tensor_model(request)
         if tensor_model is not None:
             return await self._tensor_stream(tensor_model, await self._body(request))
-        mv, _, generation, traced = await self._start(request)
+        mv, body, generation, traced = await self._start(request)
         events = generation.events() if traced is None else traced.events(generation.events())
 
         async def frames():
             try:
                 async for event in events:
-                    yield streaming.sse(answer(mv.name, mv.version, event.text, event))
+                    yield streaming.sse(answer(mv.name, mv.version, event.text, event, body.get("id")))
             except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
                 yield streaming.sse({"error": message_of(exc)})
 
@@ -81,25 +82,17 @@ class GenerateRoutes:
         return mv if mv.runner.serves in (DECOUPLED, INFER) else None
 
     async def _body(self, request: Request) -> dict:
-        body = parse_json(await read_body(request, self.body_limit))
-        if not isinstance(body, dict):
-            raise InvalidInputError("the generate request must be a JSON object of input names and values")
-        return body
+        return generate_tensors.parse_body(await read_body(request, self.body_limit))
 
     async def _tensor_stream(self, mv, body: dict) -> Response:
-        """Errors before the first response get their own status; later ones travel as an event."""
-        responses = generate_tensors.responses(mv, body)
-        try:
-            first = await anext(responses, None)
-        except BaseException:
-            await responses.aclose()
-            raise
+        """A request refused before it runs gets its own status and a JSON error; once it runs, the status
+        is 200 and a failure (the model's first response included) travels as an `error` event, as Triton."""
+        infer = generate_tensors.request(mv, body, self.body_limit)  # checked here, so a bad request is answered with its status
+        responses = generate_tensors.responses(mv, infer)
 
         async def frames():
             async with contextlib.aclosing(responses):
                 try:
-                    if first is not None:
-                        yield streaming.sse(first)
                     async for response in responses:
                         yield streaming.sse(response)
                 except Exception as exc:  # noqa: BLE001 - the status is sent: the error travels as an event
@@ -164,8 +157,10 @@ def _json_object(raw) -> dict:
     return value
 
 
-def answer(model: str, version, text: str, event) -> dict:
-    out = {"model_name": model, "model_version": str(version), "text_output": text}
+def answer(model: str, version, text: str, event, request_id=None) -> dict:
+    """Triton's generate response: the request's `id` echoed (when given and not empty), then the text."""
+    out = {"id": request_id} if isinstance(request_id, str) and request_id else {}
+    out.update(model_name=model, model_version=str(version), text_output=text)
     if event.finish_reason is not None:
         out["finish_reason"] = event.finish_reason
         out["usage"] = {"prompt_tokens": event.prompt_tokens, "completion_tokens": event.completion_tokens}

@@ -101,7 +101,7 @@ async def generate_answer(generator: Generator, model: str, version: str, raw: b
     message.priority, message.timeout_us = given.priority, given.timeout_us
     generation = await streaming.start(generator, call)
     text, last = await generation.collect()
-    return generate_api.answer(model, last.model_version, generate_api.whole_text(body, text), last)
+    return generate_api.answer(model, last.model_version, generate_api.whole_text(body, text), last, body.get("id"))
 
 
 def openai_problem(body: dict, chat: bool) -> str | None:

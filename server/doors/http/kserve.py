@@ -30,7 +30,9 @@ from server.tensors.shared_memory import SharedMemoryRegistry
 from server.observability.tracing import doors as trace_doors
 from server.observability.tracing.control import TraceControl
 from server.observability.tracing.record import HTTP_RECV_END
-from server.doors.http import tensors
+from server.doors.header_forward import HeaderForward
+from server.tensors.wire import ByteSizeError
+from server.doors.http import raw_body, tensors
 from server.doors.http.body import read_body
 from server.doors.http.errors import kserve_error, message_of, status_of
 
@@ -58,8 +60,9 @@ def model_paths(suffix: str) -> list[str]:
 class KServeRoutes:
     def __init__(self, registry: Registry, health, body_limit: int, logs: LogControl, control: ModelControl,
                  server_name: str = "ferry", regions: SharedMemoryRegistry | None = None,
-                 tracing: TraceControl | None = None):
+                 tracing: TraceControl | None = None, forward: HeaderForward | None = None):
         self.registry, self.health, self.body_limit, self.control = registry, health, body_limit, control
+        self.forward = forward  # --http-header-forward-pattern: headers made request parameters
         self.logs, self.server_name = logs, server_name  # the name ServerMetadata gives on gRPC too (--server-name)
         self.regions = regions if regions is not None else SharedMemoryRegistry()  # shared with gRPC's
         self.tracing = tracing or TraceControl()
@@ -135,6 +138,8 @@ class KServeRoutes:
     @kserve_errors
     async def repository_index(self, request: Request) -> Response:
         body = await self._json(request, default={})
+        if not isinstance(body.get("ready", False), bool):
+            raise InvalidInputError("Invalid value for 'ready': expected a boolean")
         rows = self.registry.index()
         if body.get("ready"):
             rows = [r for r in rows if r.state == READY]
@@ -182,24 +187,37 @@ class KServeRoutes:
         body = await read_body(request, self.body_limit)
         if trace is not None:
             trace.mark(HTTP_RECV_END)
-        header, binary = tensors.split_body(body, request.headers.get("inference-header-content-length"))
-        decoded = tensors.decode_infer(header, binary, self.regions)
+        decoded = self._decode(mv, body, request.headers.get("inference-header-content-length"))
+        if self.forward is not None:
+            decoded.parameters.update(self.forward.parameters(request.headers.items()))
         infer = infer_request(mv, decoded.inputs, decoded.requested, decoded.parameters, decoded.id, arrival, None)
         counts = class_counts(decoded.classes, mv.signature)  # refused before any work, as on gRPC
         targets = self.regions.targets(decoded.placements)  # regions checked before any work
         if trace is not None:
             trace_doors.attach(trace, infer, mv.version)
-        outputs = await mv.runner.infer(infer)
-        if trace is not None:
-            trace_doors.answered(trace, outputs)
-        if counts:
-            outputs = classified(outputs, counts, mv.signature)
-        names = infer.requested_outputs or tuple(mv.signature.outputs)
-        data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names, targets)
+        held = self.regions.hold([*decoded.input_regions, *(p.region for p in decoded.placements)]) if self.regions else ()
+        try:  # a region unregistered meanwhile stays registered until this request ends, as in Triton
+            outputs = await mv.runner.infer(infer)
+            if trace is not None:
+                trace_doors.answered(trace, outputs)
+            if counts:
+                outputs = classified(outputs, counts, mv.signature)
+            names = infer.requested_outputs or tuple(mv.signature.outputs)
+            data, header_length = tensors.encode_infer(decoded, mv.name, mv.version, outputs, names, targets)
+        finally:
+            self.regions.release(held)
         if header_length is None:
             return Response(data, media_type="application/json")
         return Response(data, media_type="application/octet-stream",
                         headers={"Inference-Header-Content-Length": str(header_length)})
+
+    def _decode(self, mv: ModelVersion, body: bytes, header_length: str | None) -> tensors.DecodedInfer:
+        try:
+            if raw_body.is_raw(header_length):  # no JSON header: the body is the one input's bytes
+                return raw_body.decode_raw(mv.signature, body)
+            return tensors.decode_infer(*tensors.split_body(body, header_length), self.regions, self.body_limit)
+        except ByteSizeError as exc:  # Triton's words name the model
+            raise exc.for_model(mv.name) from None
 
     async def _json(self, request: Request, default):
         body = await read_body(request, self.body_limit)

@@ -31,6 +31,7 @@ from server.doors.http.kserve import KServeRoutes
 from server.doors.http.openai_api import OpenAIRoutes
 from server.doors.http.probes import ProbeRoutes
 from server.doors.http.shared_memory import SharedMemoryRoutes
+from server.doors.header_forward import header_forward
 from server.doors.ports import claiming
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class WebOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     body_limit: int = 2**31 - 1  # bytes, as gRPC's message limit
+    header_forward: str | None = None  # --http-header-forward-pattern: headers made request parameters
 
 
 def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, counter, options: WebOptions,
@@ -50,7 +52,8 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
     """`regions`: the system shared memory regions, the same registry the gRPC door serves (one set per server);
     `metrics`: the Prometheus registry, also served on /metrics here as vLLM does."""
     regions = regions if regions is not None else SharedMemoryRegistry()
-    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing).routes()
+    routes = (KServeRoutes(registry, health, options.body_limit, logs, control, server_name, regions, tracing,
+                           header_forward(options.header_forward)).routes()
               + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit, tracing).routes()
               + OpenAIRoutes(registry, options.body_limit, tracing).routes()

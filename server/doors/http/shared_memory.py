@@ -12,9 +12,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from server.tensors import cuda_shared_memory as cuda
-from server.errors import InvalidInputError
+from server.errors import DisabledError, InvalidInputError
 from server.names import capped, shown
-from server.tensors.shared_memory import SharedMemoryRegistry
+from server.tensors.shared_memory import REGISTER_REFUSED, SharedMemoryRegistry
 from server.doors.http.body import read_body
 from server.doors.http.kserve import kserve_errors
 from server.doors.http.tensors import parse_json
@@ -67,8 +67,19 @@ class SharedMemoryRoutes:
 
     @kserve_errors
     async def cuda_register(self, request: Request) -> Response:
-        cuda.register(f"POST {CUDA}/region/{_name(request)}/register",
-                      f"POST {SYSTEM}/region/{_name(request)}/register")
+        if not self.regions.allow_register:  # said first, as Triton does
+            raise DisabledError(REGISTER_REFUSED)
+        body = await self._object(request)
+        handle, device_id, size = body.get("raw_handle"), body.get("device_id", 0), body.get("byte_size")
+        if not isinstance(handle, dict) or not isinstance(handle.get("b64"), str):  # tritonclient.http: {"b64": text}
+            raise InvalidInputError(f"registering CUDA shared memory region {shown(_name(request))} needs 'raw_handle': "
+                                    '{"b64": the base64 text of a CUDA IPC handle}')
+        for field, value in (("device_id", device_id), ("byte_size", size)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidInputError(f"registering CUDA shared memory region {shown(_name(request))}: '{field}' must be "
+                                        f"an integer, got {capped(repr(value), 60)}")
+        cuda.register(f"POST {CUDA}/region/{_name(request)}/register", f"POST {SYSTEM}/region/{_name(request)}/register",
+                      _name(request), device_id, size, self.regions.allow_register)
 
     @kserve_errors
     async def cuda_unregister(self, request: Request) -> Response:

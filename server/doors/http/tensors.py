@@ -22,14 +22,16 @@ import numpy as np
 from server.tensors import datatypes
 
 from server.tensors import wire as tensors
+from server.doors.http.body import BodyTooLargeError
 from server.errors import InvalidInputError
 from server.tensors.shared_memory import Placement, SharedMemoryRegistry, placement, write_output
 from server.names import capped, shown
 from server.request import parameters_of
 
+MAX_JSON_DEPTH = 100  # Triton's HTTP_MAX_JSON_NESTING_DEPTH, for a tensor's `data`
+
 # Which numpy kinds a JSON list may parse into, per target kind: ints never from floats, bools only from bools.
 _ACCEPTED_KINDS = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
-_RESERVED = {"triton_enable_empty_final_response"}
 
 
 @dataclass(slots=True)
@@ -43,6 +45,7 @@ class DecodedInfer:
     placements: list[Placement] = field(default_factory=list)  # requested outputs to write into shared memory
     # requested outputs asked for as classes: (name, {"classification": k}), what doors.shared.class_counts reads
     classes: tuple[tuple[str, dict], ...] = ()
+    input_regions: list[str] = field(default_factory=list)  # the regions inputs were read from
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
@@ -60,19 +63,24 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict, memoryview
     return header, view[length:]
 
 
-def parse_json(data) -> Any:
+def parse_json(data, object_pairs_hook=None) -> Any:
     try:
-        return json.loads(bytes(data))
+        return json.loads(bytes(data), object_pairs_hook=object_pairs_hook)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInputError(f"the request body is not valid JSON: {capped(str(exc), 200)}") from None
+    except RecursionError:  # nested deeper than the parser's stack: a client's body, never a server fault
+        raise InvalidInputError("the request body is not valid JSON: JSON nesting depth exceeds maximum allowed limit") from None
 
 
-def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry | None = None) -> DecodedInfer:
+def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry | None = None,
+                 limit: int | None = None) -> DecodedInfer:
+    """`limit`: the most bytes the inputs sent as JSON `data` may decode to (None: no limit)."""
     given = header.get("inputs")
     if not isinstance(given, list) or not given:
         raise InvalidInputError("the inference request needs 'inputs': a non-empty list of tensors")
     inputs: dict[str, np.ndarray] = {}
-    offset = 0
+    input_regions: list[str] = []
+    offset = expanded = 0
     for tensor in given:
         name, dtype, shape, params = _tensor_fields(tensor)
         if name in inputs:
@@ -81,6 +89,7 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
         size = params.get("binary_data_size")
         if where is not None:
             inputs[name] = _shared(regions).read(where, dtype, shape)
+            input_regions.append(where.region)
         elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0 or offset + size > len(binary):
                 raise InvalidInputError(f"input {shown(name)}: binary_data_size {capped(repr(size), 40)} does not fit the "
@@ -88,6 +97,11 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
             inputs[name] = tensors.from_raw(name, dtype, shape, binary[offset : offset + size])
             offset += size
         elif "data" in tensor:
+            expanded += math.prod(shape) * (dtype.itemsize or 1)  # known before a byte is converted
+            if limit is not None and expanded > limit:
+                raise BodyTooLargeError(f"request size of {expanded} bytes with input {shown(name)} exceeds the maximum "
+                                        f"allowed input size of {limit} bytes (JSON data counted as decoded; "
+                                        "--http-max-input-size)")
             inputs[name] = _from_json(name, dtype, shape, tensor["data"])
         else:
             raise InvalidInputError(f"input {shown(name)} has neither 'data' nor parameters.binary_data_size")
@@ -101,7 +115,8 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInputError(f"'id' must be a string, got {type(request_id).__name__}")
-    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id, placements, classes)
+    return DecodedInfer(inputs, requested, binary_outputs, bool(binary_default), params, request_id, placements,
+                        classes, input_regions)
 
 
 def _tensor_fields(tensor) -> tuple[str, datatypes.DataType, tuple[int, ...], dict]:
@@ -123,6 +138,7 @@ def _tensor_fields(tensor) -> tuple[str, datatypes.DataType, tuple[int, ...], di
 
 def _from_json(name: str, dtype: datatypes.DataType, shape: tuple[int, ...], data) -> np.ndarray:
     count = math.prod(shape)
+    _check_depth(name, data)
     if dtype.api == "BYTES":
         flat = np.array(data, dtype=object).reshape(-1) if isinstance(data, list) else None
         if flat is None or flat.size != count or not all(isinstance(v, str) for v in flat):
@@ -147,6 +163,16 @@ def _from_json(name: str, dtype: datatypes.DataType, shape: tuple[int, ...], dat
     return parsed.astype(dtype.numpy, copy=False).reshape(shape)
 
 
+def _check_depth(name: str, data) -> None:
+    """Triton's limit on JSON nesting, along the first elements (a regular list nests as deep everywhere)."""
+    depth = 0
+    while isinstance(data, list) and data:
+        depth, data = depth + 1, data[0]
+        if depth > MAX_JSON_DEPTH:
+            raise InvalidInputError(f"input {shown(name)}: JSON nesting depth exceeds maximum allowed limit "
+                                    f"({MAX_JSON_DEPTH})")
+
+
 def _kind_name(kind: str) -> str:
     return {"b": "boolean", "i": "integer", "u": "integer", "f": "floating-point", "U": "string"}.get(kind, "mixed or non-numeric")
 
@@ -157,8 +183,9 @@ def _parameters(params) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise InvalidInputError("'parameters' must be a JSON object")
     for key, value in params.items():
-        if key.startswith("triton_") and key not in _RESERVED:
-            raise InvalidInputError(f"parameter {shown(key)} is reserved (names starting with 'triton_')")
+        if key.startswith("triton_"):  # all of them over HTTP: the one gRPC takes belongs to its streams
+            raise InvalidInputError(f"parameter {shown(key)}: parameter keys starting with 'triton_' are reserved for Triton "
+                                    "usage and should not be specified.")
         if not isinstance(value, (bool, int, float, str)):
             raise InvalidInputError(f"parameter {shown(key)} must be a boolean, number or string")
     return dict(params)

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from protos import grpc_service_pb2 as pb
+from server.tensors.wire import ByteSizeError
 from server.tensors import shared_memory
 from server.tensors import wire as tensors
 from server.errors import FerryError, InvalidInputError
@@ -155,6 +156,8 @@ class FrontInfer:
             inputs = codec.decode_inputs(request)
             params = codec.decode_parameters(request.parameters)
         except FerryError as exc:
+            if isinstance(exc, ByteSizeError):  # Triton's words name the model, as one process says them
+                exc = exc.for_model(request.model_name)
             input_error, inputs = (status_of(exc).name, capped(exc.message)), {}
         wanted, output_error = [], None
         for output in request.outputs:
