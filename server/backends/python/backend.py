@@ -129,7 +129,8 @@ class PythonBackend(Backend):
         config = config_json(self.config)
         return {
             "model_config": json.dumps(config), "model_instance_kind": "GPU" if self.device.kind == "cuda" else "CPU",
-            "model_instance_device_id": str(self.device.index), "model_instance_name": f"{self.config.name}_{self.instance}",
+            "model_instance_device_id": str(self.device.index),
+            "model_instance_name": self.instance_name or f"{self.config.name}_0_{self.instance}",
             "model_repository": str(self.model_path.parent.parent), "model_version": str(self.version),
             "model_name": self.config.name,
             "ferry_model_path": str(self.model_path), "ferry_config": config, "ferry_version_dir": str(self.model_path.parent),

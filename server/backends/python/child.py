@@ -21,10 +21,11 @@ import queue
 import socket
 import sys
 import threading
+import traceback
 from concurrent.futures import Future
 from pathlib import Path
 
-from server.backends.python import faces
+from server.backends.python import answers, faces
 from server.backends.python import pb_utils as pb
 from server.backends.python import protocol as p
 from server.ipc import tensors as ipc_tensors
@@ -54,6 +55,7 @@ class Host:
         self._refs = itertools.count(1)
         self._cancelled: set[int] = set()
         self._streaming: set[int] = set()  # decoupled calls whose final response is not sent yet
+        self._batches: dict[int, answers.Batch] = {}  # EXEC calls not yet answered in full (response senders)
         self.loop = asyncio.new_event_loop()
         self.face: faces.Face | None = None
         self._current = 0  # the EXEC call running (or last run)
@@ -194,16 +196,36 @@ class Host:
         self.link.send((p.AUTO, json.dumps(completed.as_dict())))
 
     def _exec(self, call: int, requests: list[p.Request], freed: list[int]) -> None:
+        """A batch of a model that is not decoupled: each request is answered once, by the response
+        execute returns for it or through its response sender (before or after execute returns, as
+        Triton allows); the batch is done (DONE) once every request has its answer."""
         self._free_ours(freed)
         self._current = call
         built = [self._request(r, call, i) for i, r in enumerate(requests)]
+        batch = self._batches[call] = answers.Batch(len(built), self._reply)
         try:
-            replies = [self._released(request) or self._reply(r) for request, r in zip(built, self.face.run(built))]
+            returned = self.face.run(built)
+            batch.returned([self._released(request) or r for request, r in zip(built, returned)])
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
-            replies = [p.Reply([], (p.INTERNAL, _message(exc)))] * len(requests)
+            self._execute_failed(exc)
+            batch.failed(p.Reply([], (p.INTERNAL, _message(exc))))
         del built
+        self._answered(call)
+
+    def _answered(self, call: int) -> None:
+        """The batch's DONE, once every request has its answer (from whichever thread gave the last)."""
+        batch = self._batches.get(call)
+        if batch is None or not batch.complete():
+            return
+        if self._batches.pop(call, None) is None:
+            return  # another thread sent it
         self._cancelled.discard(call)
-        self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
+        self.link.send((p.DONE, call, batch.replies, self._take_freed()))  # blocks freed so far ride along
+
+    def _execute_failed(self, exc: BaseException) -> None:
+        """As Triton's stub: the exception's traceback in the server's log (the caller reads its message)."""
+        self.log(2, "Failed to execute the request(s): " + "".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
 
     def _stream(self, calls: list[int], requests: list[p.Request], freed: list[int]) -> None:
         """Decoupled requests, one execute (a batch of them where the model batches; one request when it
@@ -219,6 +241,7 @@ class Host:
                                               concurrent=not self._iterative)
         except BaseException as exc:  # noqa: BLE001
             running = None
+            self._execute_failed(exc)
             for call in calls:
                 self._failed(call, exc)
         if running is not None:
@@ -237,6 +260,7 @@ class Host:
     def _async_done(self, calls: list[int], done: Future) -> None:
         """On the instance's async loop: a decoupled async execute is over."""
         if not done.cancelled() and done.exception() is not None:
+            self._execute_failed(done.exception())
             for call in calls:
                 self._failed(call, done.exception())
 
@@ -272,8 +296,11 @@ class Host:
             self._cancelled.discard(call)
         self.link.send((p.RESPONSE, call, self._reply(response) if response is not None else None, final))
 
-    def sender(self, call: int) -> pb.InferenceResponseSender:
-        return pb.InferenceResponseSender(self, call)
+    def sender(self, call: int, index: int = 0):
+        batch = self._batches.get(call)
+        if batch is None:
+            return pb.InferenceResponseSender(self, call)
+        return answers.Sender(batch, index, functools.partial(self._answered, call), functools.partial(self.cancelled, call))
 
     def cancelled(self, call: int) -> bool:
         return call in self._cancelled

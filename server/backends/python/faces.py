@@ -94,7 +94,12 @@ class TritonFace(Face):
         return {key: value for key, value in args.items() if not key.startswith("ferry_")}
 
     def run(self, requests):
-        responses = self._wait(self.model.execute(requests))
+        returned = self.model.execute(requests)
+        if inspect.isawaitable(returned):
+            # on the instance's async loop, which keeps running after execute returns: tasks the model
+            # started (a response sent later through a request's response sender) go on, as in Triton
+            returned = asyncio.run_coroutine_threadsafe(_awaited(returned), self._executing()).result()
+        responses = [None] * len(requests) if returned is None else returned  # answered by response senders
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             got = f"{len(responses)} responses" if isinstance(responses, (list, tuple)) else type(responses).__name__
             raise pb.TritonModelException(f"execute must return one InferenceResponse per request: "
@@ -149,7 +154,12 @@ class FerryFace(Face):
         return pb.InferenceResponse([pb.Tensor(name, np.asarray(value)) for name, value in outputs.items()])
 
 
-_RETURNS_NONE = "a decoupled model's execute must return None (responses go through each request's response sender)"
+_RETURNS_NONE = ("Python model is using the decoupled mode and the execute function must return None (responses go "
+                 "through each request's response sender)")
+
+
+async def _awaited(execute):
+    return await execute
 
 
 async def _returns_none(execute) -> None:

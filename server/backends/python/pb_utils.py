@@ -327,7 +327,7 @@ class InferenceRequest:
     def get_response_sender(self) -> InferenceResponseSender:
         if self._call is None:
             raise TritonModelException("only a request given to execute has a response sender")
-        return _the_host().sender(self._call)
+        return _the_host().sender(self._call, self._trace._ref[1])
 
     def set_release_flags(self, flags: int) -> None:
         """TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: run this request again in a later execute (a model whose
