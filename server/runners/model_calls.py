@@ -31,7 +31,7 @@ from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, Mo
 from server.observability.metrics import ModelProcessRestarts
 from server.observability.tracing.doors import GenerationTrace
 from server.observability.tracing.record import call_trace, ended
-from server.request import InferRequest, parameters_of
+from server.request import InferRequest, is_final, parameters_of
 from server.runners.sequence_inputs import FLAG_END, FLAG_START
 from server.runners import generation_tensors
 from server.runners.base import DECOUPLED, GENERATE
@@ -89,9 +89,12 @@ class ModelCalls:
             if model.runner.serves == DECOUPLED:
                 if not call.decoupled:
                     raise InvalidInputError(f"model '{call.model}' is decoupled: call it with exec(decoupled=True)")
+                final = False
                 async for outputs in model.runner.stream(request):
-                    answer(_wanted(outputs, call), None, False, parameters_of(outputs))
-                answer(None, None, True)
+                    final = is_final(outputs)  # the final flag came with it: no empty last response (Triton's)
+                    answer(_wanted(outputs, call), None, final, parameters_of(outputs))
+                if not final:
+                    answer(None, None, True)
                 return
             outputs = await model.runner.infer(request)
             if call.decoupled:

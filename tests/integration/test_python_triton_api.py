@@ -45,7 +45,7 @@ def test_initialize_gets_tritons_args_and_requests_their_accessors(served):
     info = good["info"]
     args = info["args"]
     assert args["model_name"] == "tadd3" and args["model_version"] == "1" and args["model_instance_kind"] == "CPU"
-    assert args["model_instance_name"] == "tadd3_0" and args["model_instance_device_id"] == "0"
+    assert args["model_instance_name"] == "tadd3_0_0" and args["model_instance_device_id"] == "0"
     assert Path(args["model_repository"]) == repo / "tadd3"
     assert info["config_name"] == "tadd3" and info["max_batch_size"] == 8 and info["in_dims"] == [4]
     assert info["request_id"] == "r-good" and info["parameters"] == {"color": "red"}

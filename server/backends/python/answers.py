@@ -17,7 +17,7 @@ from server.backends.python import protocol as p
 
 NO_RESPONSE_YET = "Non-decoupled model cannot send complete final before sending a response"
 SECOND_RESPONSE = "Non-decoupled model cannot send more than one response"
-CLOSED = "Unable to send response: the response sender of this request is closed (its final flag was sent)"
+CLOSED = pb.SENDER_CLOSED
 
 
 class Batch:

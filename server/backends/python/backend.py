@@ -259,13 +259,13 @@ class PythonBackend(Backend):
         return p.Request(request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
                          dict(params) if params else {}, request.correlation_id, request.sequence_flags)
 
-    def _outputs(self, process: ModelProcess, reply: p.Reply | str) -> dict[str, np.ndarray] | FerryError:
+    def _outputs(self, process: ModelProcess, reply: p.Reply | str, final: bool = False) -> dict[str, np.ndarray] | FerryError:
         if reply == p.RESCHEDULE:
             return RESCHEDULED
         if reply.error is not None:
             code, message = reply.error
             return _ERRORS.get(code, BackendError)(message)
-        return Outputs({t.name: process.view(t) for t in reply.outputs}, reply.parameters)
+        return Outputs({t.name: process.view(t) for t in reply.outputs}, reply.parameters, final)
 
     def is_ready(self) -> bool:
         """Triton's is_ready(), where the model defines it; a dead process is not ready."""
@@ -322,7 +322,7 @@ class _Stream:
             self.request.sequence_flags = 0  # neither its sequence's start any more, nor its end
             self.process.restream(self.call, self.backend._request(self.process, self.request, self.request.inputs))
         elif reply is not None and not self._left:
-            self._deliver(self.backend._outputs(self.process, reply))
+            self._deliver(self.backend._outputs(self.process, reply, final))
         if final:
             self._end(STREAM_END)
 

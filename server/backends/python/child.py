@@ -141,10 +141,13 @@ class Host:
             return
         if reply is not None:
             items.put(self._response(reply))
+        elif final:
+            items.put(pb.InferenceResponse())  # the final flag sent alone: Triton's last, empty response
         if final:
             del self._pending[ref]
-            items.put(pb.InferenceResponse())  # Triton's last, flag-only response of a decoupled stream
             items.put(_END)
+        if not future.done():  # as in Triton, exec(decoupled=True) answers with the first response
+            future.set_result(_Responses(items, functools.partial(self.link.send, (p.UNCALL, ref))))
 
     # ---- the main thread
     def serve(self) -> None:
@@ -290,7 +293,7 @@ class Host:
     # ---- what pb_utils calls
     def respond(self, call: int, response: pb.InferenceResponse | None, final: bool) -> None:
         if call not in self._streaming:
-            raise pb.TritonModelException("this request's final response was sent already")
+            raise pb.TritonModelException(pb.SENDER_CLOSED)
         if final:
             self._streaming.discard(call)
             self._cancelled.discard(call)
@@ -317,8 +320,6 @@ class Host:
                       request.flags())
         self._wanted.set()
         self.link.send((p.CALL, ref, sent, self._current))  # the execute it is made for: its deadline
-        if decoupled:
-            future.set_result(_Responses(items, functools.partial(self.link.send, (p.UNCALL, ref))))
         return future
 
     def control(self, op: str, name: str, version: str, config: str, files: dict):

@@ -243,6 +243,9 @@ class InferenceResponse:
         return json.dumps(self._parameters)
 
 
+SENDER_CLOSED = "Unable to send response. Response sender has been closed."  # Triton's words, which model code may test
+
+
 class InferenceResponseSender:
     """A decoupled model's way to answer: 0..N `send`s, the last with TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
 
@@ -252,7 +255,7 @@ class InferenceResponseSender:
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         if self._closed:
-            raise TritonModelException("this request's final response was sent already")
+            raise TritonModelException(SENDER_CLOSED)
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._closed = final
         self._host.respond(self._call, response, final)
