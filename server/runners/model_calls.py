@@ -27,7 +27,8 @@ import numpy as np
 from server.backends.python import protocol as p
 from server.observability.custom_metrics import CustomMetrics
 from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, ModelNotFoundError,
-                           ModelUnavailableError, QueueFullError, UnsupportedError)
+                           ModelUnavailableError, QueueFullError, RequestCancelledError, UnknownError,
+                           UnsupportedError)
 from server.observability.metrics import ModelProcessRestarts
 from server.observability.tracing.doors import GenerationTrace
 from server.observability.tracing.record import call_trace, ended
@@ -42,7 +43,7 @@ _CANCELLED = "the request that made this BLS call was cancelled"
 Answer = Callable[..., None]  # answer(outputs=None, error=None, final=True, parameters=None)
 _CODES = [(InvalidInputError, p.INVALID_ARG), (ModelNotFoundError, p.NOT_FOUND), (QueueFullError, p.UNAVAILABLE),
           (ModelUnavailableError, p.UNAVAILABLE), (UnsupportedError, p.UNSUPPORTED),
-          (AlreadyExistsError, p.ALREADY_EXISTS)]
+          (AlreadyExistsError, p.ALREADY_EXISTS), (UnknownError, p.UNKNOWN), (RequestCancelledError, p.CANCELLED)]
 
 
 class LateControl:

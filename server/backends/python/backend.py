@@ -34,15 +34,18 @@ from server.backends.python.faces import defines_auto_complete
 from server.backends.python.process import ModelProcess, ProcessDied
 from server.config_json import config_json
 from server.errors import (AlreadyExistsError, BackendError, ConfigError, FerryError, InvalidInputError,
-                           ModelNotFoundError, ModelUnavailableError, UnsupportedError)
+                           ModelNotFoundError, ModelUnavailableError, RequestCancelledError, UnknownError,
+                           UnsupportedError)
 from server.request import RESCHEDULED, InferRequest, Outputs
 
 log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
 READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not ready"
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
+# pb_utils.TritonError codes as Triton answers them (INTERNAL, and a code Triton does not know: INTERNAL)
 _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
-           p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError}
+           p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError, p.UNKNOWN: UnknownError,
+           p.CANCELLED: RequestCancelledError}
 
 
 class PythonBackend(Backend):

@@ -60,6 +60,7 @@ class Host:
         self.face: faces.Face | None = None
         self._current = 0  # the EXEC call running (or last run)
         self._iterative = False  # the config's sequence_batching.iterative_sequence: requests may be rescheduled
+        self._instance = ""  # Triton's name of this instance (`<model>_0_0`), in the messages of failed executes
 
     # ---- reading: the main thread while it is idle, the helper thread while model code runs
     def _take(self) -> tuple:
@@ -181,6 +182,7 @@ class Host:
             self.face = faces.face_of(module, Path(args["ferry_model_path"]), self.loop)
             batching = json.loads(args.get("model_config") or "{}").get("sequence_batching") or {}
             self._iterative = bool(batching.get("iterative_sequence"))
+            self._instance = args.get("model_instance_name", "")
             self.face.initialize(args)
         except BaseException as exc:  # noqa: BLE001 - a model that cannot start says why, and the load fails
             self.link.send((p.FAILED, _message(exc)))
@@ -211,7 +213,7 @@ class Host:
             batch.returned([self._released(request) or r for request, r in zip(built, returned)])
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
             self._execute_failed(exc)
-            batch.failed(p.Reply([], (p.INTERNAL, _message(exc))))
+            batch.failed(p.Reply([], (p.INTERNAL, self._failure(exc))))
         del built
         self._answered(call)
 
@@ -224,6 +226,10 @@ class Host:
             return  # another thread sent it
         self._cancelled.discard(call)
         self.link.send((p.DONE, call, batch.replies, self._take_freed()))  # blocks freed so far ride along
+
+    def _failure(self, exc: BaseException) -> str:
+        """What the callers of an execute that raised read: Triton's words around the exception's."""
+        return f"Failed to process the request(s) for model instance '{self._instance}', message: {_message(exc)}"
 
     def _execute_failed(self, exc: BaseException) -> None:
         """As Triton's stub: the exception's traceback in the server's log (the caller reads its message)."""
@@ -270,7 +276,7 @@ class Host:
     def _failed(self, call: int, exc: BaseException) -> None:
         """A decoupled execute raised: its request ends with the message, unless its final response is out."""
         if call in self._streaming:
-            self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
+            self.respond(call, pb.InferenceResponse(error=pb.TritonError(self._failure(exc))), True)
 
     def _released(self, request: pb.InferenceRequest) -> str | p.Reply | None:
         """What a request the model rescheduled gets in place of a response (Triton ignores one the
