@@ -98,11 +98,9 @@ class PythonBackend(Backend):
                               "not supported: Ferry runs model.py with the server's own Python; install the model's "
                               "packages there instead")
         if (parameter(self.config, "FORCE_CPU_ONLY_INPUT_TENSORS") or "yes").lower() in ("no", "false", "off"):
-            if self.cuda_devices() == 0:
-                raise ConfigError(f"model '{self.config.name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS is 'no' (GPU "
-                                  "input tensors) but this machine has no GPU; remove the parameter to get host tensors")
-            log.warning("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS 'no' is not supported; its input tensors are on the "
-                        "host (Tensor.is_cpu() is true)", self.config.name)
+            # Triton hands host tensors anyway where the inputs are on the host (always here): is_cpu() is true
+            log.info("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS is 'no': its input tensors are on the host "
+                     "(Tensor.is_cpu() is true; to_dlpack() shares them)", self.config.name)
         self.priority = priority.Priority(self.config.name, priority.parse(self.config.name,
                                                                            parameter(self.config, priority.PARAMETER)))
         self.process = self._start()

@@ -67,8 +67,8 @@ def parse_json(data) -> Any:
 
 def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry | None = None) -> DecodedInfer:
     given = header.get("inputs")
-    if not isinstance(given, list) or not given:
-        raise InvalidInputError("the inference request needs 'inputs': a non-empty list of tensors")
+    if not isinstance(given, list):  # empty for a model whose inputs are all optional (or that has none), as Triton
+        raise InvalidInputError("the inference request needs 'inputs': a list of tensors")
     inputs: dict[str, np.ndarray] = {}
     offset = 0
     for tensor in given:
