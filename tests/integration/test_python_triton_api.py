@@ -66,7 +66,8 @@ def test_an_error_response_fails_its_request_alone_in_one_execute(served):
 def test_a_raised_exception_fails_with_its_message_and_the_model_keeps_serving(served):
     _, result, _ = served
     assert result["raised"]["status"] == "StatusCode.INTERNAL"
-    assert result["raised"]["message"] == "ValueError: ninety-nine is not a number this model adds"  # no traceback
+    assert result["raised"]["message"] == ("Failed to process the request(s) for model instance 'tadd_0_0', message: "
+                                           "ValueError: ninety-nine is not a number this model adds")  # no traceback
     assert result["after_raise"] == [[1.0, 2.0, 3.0, 4.0]]
 
 

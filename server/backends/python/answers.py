@@ -47,7 +47,7 @@ class Batch:
             for i, response in enumerate(responses):
                 if self.replies[i] is not None or (response is None and i in self._senders):
                     continue
-                self.replies[i] = response if isinstance(response, str) else self._reply(response)
+                self.replies[i] = response if isinstance(response, (str, p.Reply)) else self._reply(response)
             self._returned = True
 
     def failed(self, reply: p.Reply) -> None:
