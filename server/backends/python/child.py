@@ -437,6 +437,7 @@ def _message(exc: BaseException) -> str:
 
 def main(argv: list[str]) -> None:
     fd, arena_path, arena_bytes = int(argv[0]), argv[1], int(argv[2])
+    sys.argv = sys.argv[:1]  # model code sees no arguments (as in Triton's stub): unittest.main() in a model parses them
     link = FrameSocket(socket.socket(fileno=fd))
     arena = Arena(Path(arena_path), arena_bytes, create=False) if arena_path else None
     host = Host(link, arena)
