@@ -25,6 +25,8 @@ _CONFIGS = {
     + "model_transaction_policy { decoupled: true }\n",
     "qa_async_bls": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_STRING")
     + "model_transaction_policy { decoupled: true }\n",
+    "qa_args": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32", "TYPE_STRING"),
+    "qa_argv": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32", "TYPE_STRING"),
     "qa_no_inputs": 'backend: "python"\nmax_batch_size: 0\noutput [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n',
     "qa_optional": 'backend: "python"\nmax_batch_size: 0\n'
     'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]\n'
@@ -163,6 +165,57 @@ class TritonPythonModel:
                 sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([text], np.object_))]))
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
+""",
+    # what each call with an argument of the wrong type raises (Triton's bindings: TypeError, or
+    # TritonModelException for a list element that is not a Tensor)
+    "qa_args": """
+def _raised(call):
+    try:
+        call()
+    except Exception as exc:
+        return type(exc).__name__
+    return "nothing"
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        t = pb_utils.Tensor("X", np.array([1], np.int32))
+        calls = {
+            "request_inputs_none": lambda: pb_utils.InferenceRequest(model_name="m", inputs=None,
+                                                                     requested_output_names=["Y"]),
+            "request_input_element": lambda: pb_utils.InferenceRequest(model_name="m", inputs=[None],
+                                                                       requested_output_names=["Y"]),
+            "request_model_name": lambda: pb_utils.InferenceRequest(model_name=None, inputs=[t],
+                                                                    requested_output_names=["Y"]),
+            "request_outputs": lambda: pb_utils.InferenceRequest(model_name="m", inputs=[t],
+                                                                 requested_output_names=[None]),
+            "request_flags": lambda: pb_utils.InferenceRequest(model_name="m", inputs=[t],
+                                                               requested_output_names=["Y"], flags=None),
+            "request_ok": lambda: pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[],
+                                                            correlation_id="c-1"),
+            "response_none": lambda: pb_utils.InferenceResponse(output_tensors=None),
+            "response_element": lambda: pb_utils.InferenceResponse(output_tensors=[None]),
+            "response_ok": lambda: pb_utils.InferenceResponse(output_tensors=[]),
+            "tensor_name": lambda: pb_utils.Tensor(None, np.array([1])),
+            "tensor_data": lambda: pb_utils.Tensor("X", None),
+            "dlpack_none": lambda: pb_utils.Tensor.from_dlpack("X", None),
+            "log_level_int": lambda: pb_utils.Logger.log("message", 1),
+            "log_none": lambda: pb_utils.Logger.log_info(None),
+            "log_ok": lambda: pb_utils.Logger.log("message"),
+        }
+        raised = json.dumps({name: _raised(call) for name, call in calls.items()})
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([raised], np.object_))])
+                for _ in requests]
+""",
+    # what model code sees as sys.argv (Triton's stub gives it no arguments)
+    "qa_argv": """
+import sys
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(sys.argv[1:])], np.object_))])
+                for _ in requests]
 """,
     "qa_no_inputs": """
 class TritonPythonModel:

@@ -77,6 +77,8 @@ def main(grpc_url: str, http_url: str) -> dict:
     result["stream_return"] = stream(grpc_url, "qa_stream", ["return"])
     result["stream_closed"] = stream(grpc_url, "qa_stream", ["closed"])
     result["async_bls"] = stream(grpc_url, "qa_async_bls", ["A", "B"])
+    result["args"] = outcome(lambda: g.infer("qa_args", [fp32_input(tc, "IN", 1)]))
+    result["argv"] = outcome(lambda: g.infer("qa_argv", [fp32_input(tc, "IN", 1)]))
     result["no_inputs_grpc"] = outcome(lambda: g.infer("qa_no_inputs", []))
     result["no_inputs_http"] = outcome(lambda: h.infer("qa_no_inputs", []))
     result["optional_http"] = {"none": outcome(lambda: h.infer("qa_optional", [])),

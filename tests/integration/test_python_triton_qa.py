@@ -4,7 +4,7 @@ failed execute's message in Triton's words, response senders of models that are 
 their rules, a decoupled execute that returns a response, an async decoupled BLS call answered by its
 first response (so the instance's loop goes on meanwhile) and without an empty last response when the
 final flag came with one, models without inputs, FORCE_CPU_ONLY_INPUT_TENSORS "no" on a machine
-without a GPU, and the `triton_grpc_error` stream header. NVIDIA's tritonclient runs in a subprocess."""
+without a GPU, the `triton_grpc_error` stream header, pb_utils' argument checks and an empty sys.argv. NVIDIA's tritonclient runs in a subprocess."""
 
 from __future__ import annotations
 
@@ -140,3 +140,21 @@ def test_a_batching_model_without_inputs_is_refused_with_the_reason(tmp_path):
         assert "a batching model needs an input to carry the batch dimension" in server.output
     finally:
         server.stop()
+
+
+def test_pb_utils_refuses_arguments_of_the_wrong_type_as_tritons_bindings_do(served):
+    _, result = served
+    raised = json.loads(result["args"]["out"][0])
+    assert raised == {
+        "request_inputs_none": "TypeError", "request_input_element": "TritonModelException",
+        "request_model_name": "TypeError", "request_outputs": "TypeError", "request_flags": "TypeError",
+        "request_ok": "nothing", "response_none": "TypeError", "response_element": "TritonModelException",
+        "response_ok": "nothing", "tensor_name": "TypeError", "tensor_data": "TypeError",
+        "dlpack_none": "TritonModelException", "log_level_int": "TypeError", "log_none": "TypeError",
+        "log_ok": "nothing"}
+
+
+def test_model_code_sees_no_command_line_arguments(served):
+    """Triton's QA models call unittest.main() inside execute, which parses sys.argv."""
+    _, result = served
+    assert result["argv"] == {"out": ["[]"]}
