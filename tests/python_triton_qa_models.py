@@ -202,6 +202,7 @@ class TritonPythonModel:
             "log_level_int": lambda: pb_utils.Logger.log("message", 1),
             "log_none": lambda: pb_utils.Logger.log_info(None),
             "log_ok": lambda: pb_utils.Logger.log("message"),
+            "log_alias": lambda: pb_utils.Logger.log("message", pb_utils.Logger.INFO),
         }
         raised = json.dumps({name: _raised(call) for name, call in calls.items()})
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([raised], np.object_))])

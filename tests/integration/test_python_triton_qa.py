@@ -89,7 +89,8 @@ def test_the_final_flag_before_any_response_is_refused_for_a_model_that_is_not_d
 def test_a_decoupled_execute_that_returns_a_response_fails_its_request_with_tritons_message(served):
     _, result = served
     [answer] = result["stream_return"]
-    assert "using the decoupled mode and the execute function must return None" in answer["message"]
+    assert ("Python model 'qa_stream_0_0' is using the decoupled mode and the execute function must return None."
+            in answer["message"])
 
 
 def test_a_closed_response_sender_refuses_with_tritons_message(served):
@@ -151,7 +152,7 @@ def test_pb_utils_refuses_arguments_of_the_wrong_type_as_tritons_bindings_do(ser
         "request_ok": "nothing", "response_none": "TypeError", "response_element": "TritonModelException",
         "response_ok": "nothing", "tensor_name": "TypeError", "tensor_data": "TypeError",
         "dlpack_none": "TritonModelException", "log_level_int": "TypeError", "log_none": "TypeError",
-        "log_ok": "nothing"}
+        "log_ok": "nothing", "log_alias": "nothing"}
 
 
 def test_model_code_sees_no_command_line_arguments(served):

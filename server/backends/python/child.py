@@ -229,6 +229,9 @@ class Host:
 
     def _failure(self, exc: BaseException) -> str:
         """What the callers of an execute that raised read: Triton's words around the exception's."""
+        if isinstance(exc, faces.ReturnedResponses):
+            return (f"Python model '{self._instance}' is using the decoupled mode and the execute function must "
+                    "return None. Responses go through each request's response sender.")
         return f"Failed to process the request(s) for model instance '{self._instance}', message: {_message(exc)}"
 
     def _execute_failed(self, exc: BaseException) -> None:

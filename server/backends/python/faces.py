@@ -111,7 +111,7 @@ class TritonFace(Face):
         if concurrent and inspect.isawaitable(returned):
             return asyncio.run_coroutine_threadsafe(_returns_none(returned), self._executing())
         if self._wait(returned) is not None:
-            raise pb.TritonModelException(_RETURNS_NONE)
+            raise ReturnedResponses(_RETURNS_NONE)
         return None
 
     def _executing(self) -> asyncio.AbstractEventLoop:
@@ -154,8 +154,12 @@ class FerryFace(Face):
         return pb.InferenceResponse([pb.Tensor(name, np.asarray(value)) for name, value in outputs.items()])
 
 
-_RETURNS_NONE = ("Python model is using the decoupled mode and the execute function must return None (responses go "
-                 "through each request's response sender)")
+class ReturnedResponses(pb.TritonModelException):
+    """A decoupled model's execute returned responses: the model process words it as Triton does, with the
+    instance's name."""
+
+
+_RETURNS_NONE = "a decoupled model's execute must return None"
 
 
 async def _awaited(execute):
@@ -164,7 +168,7 @@ async def _awaited(execute):
 
 async def _returns_none(execute) -> None:
     if await execute is not None:
-        raise pb.TritonModelException(_RETURNS_NONE)
+        raise ReturnedResponses(_RETURNS_NONE)
 
 
 def _arrays(request: pb.InferenceRequest) -> dict[str, np.ndarray]:

@@ -21,6 +21,8 @@ class LogLevel(enum.IntEnum):
 
 
 class Logger:
+    INFO, WARNING, ERROR, VERBOSE = LogLevel.INFO, LogLevel.WARNING, LogLevel.ERROR, LogLevel.VERBOSE  # Triton's aliases
+
     @staticmethod
     def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
         if not isinstance(message, str) or not isinstance(level, LogLevel):  # as Triton's bindings refuse them
