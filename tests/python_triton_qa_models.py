@@ -27,6 +27,8 @@ _CONFIGS = {
     + "model_transaction_policy { decoupled: true }\n",
     "qa_args": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32", "TYPE_STRING"),
     "qa_argv": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32", "TYPE_STRING"),
+    "qa_ready_int": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32"),
+    "qa_ready_slow": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32"),
     "qa_no_inputs": 'backend: "python"\nmax_batch_size: 0\noutput [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n',
     "qa_optional": 'backend: "python"\nmax_batch_size: 0\n'
     'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]\n'
@@ -218,6 +220,33 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(sys.argv[1:])], np.object_))])
                 for _ in requests]
 """,
+    # is_ready answers 1, not True: not ready, as in Triton
+    "qa_ready_int": """
+class TritonPythonModel:
+    def is_ready(self):
+        return 1
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.float32))]) for _ in requests]
+""",
+    # is_ready counts its calls in GATES/ready_calls and waits until GATES/open exists
+    "qa_ready_slow": """
+import os
+import time
+
+
+class TritonPythonModel:
+    def is_ready(self):
+        calls = os.path.join(GATES, "ready_calls")
+        with open(calls, "a") as f:
+            f.write("x")
+        while not os.path.exists(os.path.join(GATES, "open")):
+            time.sleep(0.05)
+        return True
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([2], np.float32))]) for _ in requests]
+""",
     "qa_no_inputs": """
 class TritonPythonModel:
     def execute(self, requests):
@@ -247,8 +276,10 @@ class TritonPythonModel:
 }
 
 
-def build(repo: Path) -> None:
+def build(repo: Path, gates: Path) -> None:
+    """`gates`: a folder the test and qa_ready_slow share (its is_ready waits there)."""
     for name, config in _CONFIGS.items():
         (repo / name / "1").mkdir(parents=True)
         (repo / name / "config.pbtxt").write_text(config)
-        (repo / name / "1" / "model.py").write_text(_HEAD + _MODELS[name].lstrip("\n"))
+        head = _HEAD + f"GATES = {str(gates)!r}\n\n\n"
+        (repo / name / "1" / "model.py").write_text(head + _MODELS[name].lstrip("\n"))

@@ -5,6 +5,7 @@ HTTP, as a Triton user calls them. Prints JSON: what each call got (outputs, or 
 import json
 import queue
 import sys
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as tc
@@ -63,7 +64,17 @@ def stream(url: str, model: str, values: list[str], headers=None, wait_s: float 
     return answers
 
 
-def main(grpc_url: str, http_url: str) -> dict:
+def slow_readiness(g, h, gates: Path) -> dict:
+    """qa_ready_slow's is_ready waits for a gate: the first check times out (not ready), a request is
+    answered meanwhile, and once the gate opens the next check gets the answer of the one in flight."""
+    first = h.is_model_ready("qa_ready_slow")
+    served = outcome(lambda: g.infer("qa_ready_slow", [fp32_input(tc, "IN", 1)], client_timeout=30))
+    (gates / "open").touch()
+    second = g.is_model_ready("qa_ready_slow")
+    return {"first": first, "served": served, "second": second, "calls": len((gates / "ready_calls").read_text())}
+
+
+def main(grpc_url: str, http_url: str, gates: Path) -> dict:
     g, h = tc.InferenceServerClient(grpc_url), th.InferenceServerClient(http_url)
     result = {"name": outcome(lambda: g.infer("qa_name", [fp32_input(tc, "IN", 1)]))}
     codes = ["UNKNOWN", "INTERNAL", "NOT_FOUND", "INVALID_ARG", "UNAVAILABLE", "UNSUPPORTED", "ALREADY_EXISTS",
@@ -79,6 +90,8 @@ def main(grpc_url: str, http_url: str) -> dict:
     result["async_bls"] = stream(grpc_url, "qa_async_bls", ["A", "B"])
     result["args"] = outcome(lambda: g.infer("qa_args", [fp32_input(tc, "IN", 1)]))
     result["argv"] = outcome(lambda: g.infer("qa_argv", [fp32_input(tc, "IN", 1)]))
+    result["ready_int"] = [h.is_model_ready("qa_ready_int"), g.is_model_ready("qa_ready_int")]
+    result["ready_slow"] = slow_readiness(g, h, gates)
     result["no_inputs_grpc"] = outcome(lambda: g.infer("qa_no_inputs", []))
     result["no_inputs_http"] = outcome(lambda: h.infer("qa_no_inputs", []))
     result["optional_http"] = {"none": outcome(lambda: h.infer("qa_optional", [])),
@@ -91,4 +104,4 @@ def main(grpc_url: str, http_url: str) -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2])))
+    print(json.dumps(main(sys.argv[1], sys.argv[2], Path(sys.argv[3]))))

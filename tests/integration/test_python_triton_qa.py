@@ -25,12 +25,12 @@ if importlib.util.find_spec("tritonclient") is None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    repo = tmp_path_factory.mktemp("repo")
-    python_triton_qa_models.build(repo)
+    repo, gates = tmp_path_factory.mktemp("repo"), tmp_path_factory.mktemp("gates")
+    python_triton_qa_models.build(repo, gates)
     server = RunningServer(repo)
     try:
         script = Path(__file__).with_name("python_triton_qa_calls.py")
-        done = subprocess.run([sys.executable, str(script), server.address, server.http_address],
+        done = subprocess.run([sys.executable, str(script), server.address, server.http_address, str(gates)],
                               capture_output=True, text=True, timeout=400)
         assert done.returncode == 0, done.stderr
         yield server, json.loads(done.stdout)
@@ -159,3 +159,17 @@ def test_model_code_sees_no_command_line_arguments(served):
     """Triton's QA models call unittest.main() inside execute, which parses sys.argv."""
     _, result = served
     assert result["argv"] == {"out": ["[]"]}
+
+
+def test_is_ready_must_answer_a_bool(served):
+    _, result = served
+    assert result["ready_int"] == [False, False]
+
+
+def test_a_slow_is_ready_holds_up_no_request_and_is_asked_once_while_in_flight(served):
+    _, result = served
+    slow = result["ready_slow"]
+    assert slow["first"] is False  # past Triton's 5 s
+    assert slow["served"] == {"out": [2.0]}  # answered while is_ready still waited
+    assert slow["second"] is True  # the check in flight answered it
+    assert slow["calls"] == 1

@@ -124,13 +124,18 @@ class Host:
             self._free_ours(frame[1])
         elif kind == p.HANDOVER:
             self.link.send((p.HANDOVER,))
-        elif kind == p.CHECK:
-            try:
-                ready = self.face.is_ready()
-            except BaseException as exc:  # noqa: BLE001 - a readiness check that fails says "not ready"
-                print(f"is_ready failed: {_message(exc)}", file=sys.stderr)
-                ready = False
-            self.link.send((p.CHECKED, frame[1], ready))
+        elif kind == p.CHECK:  # on a thread of its own: a slow is_ready() holds up neither reads nor executes
+            threading.Thread(target=self._check, args=(frame[1],), name="ferry-is-ready", daemon=True).start()
+
+    def _check(self, ref: int) -> None:
+        try:
+            ready = self.face.is_ready()
+            if not isinstance(ready, bool):  # as Triton: only True is ready
+                raise TypeError(f"is_ready must return a bool, got {type(ready).__name__}")
+        except BaseException as exc:  # noqa: BLE001 - a readiness check that fails says "not ready"
+            print(f"is_ready failed: {_message(exc)}", file=sys.stderr)
+            ready = False
+        self.link.send((p.CHECKED, ref, ready))
 
     def _called(self, ref: int, reply: p.Reply | None, final: bool) -> None:
         future, items = self._pending.get(ref, (None, None))

@@ -72,7 +72,7 @@ class Face:
         ready = self.model.is_ready()
         if inspect.isawaitable(ready):
             ready = asyncio.new_event_loop().run_until_complete(ready)
-        return bool(ready)
+        return ready
 
     def _args(self, args: dict) -> dict:
         raise NotImplementedError
