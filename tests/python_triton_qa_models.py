@@ -29,6 +29,8 @@ _CONFIGS = {
     "qa_argv": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32", "TYPE_STRING"),
     "qa_ready_int": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32"),
     "qa_ready_slow": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32"),
+    "qa_resched_returns": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32")
+    + "sequence_batching { iterative_sequence: true }\n",
     "qa_no_inputs": 'backend: "python"\nmax_batch_size: 0\noutput [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n',
     "qa_optional": 'backend: "python"\nmax_batch_size: 0\n'
     'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]\n'
@@ -246,6 +248,14 @@ class TritonPythonModel:
 
     def execute(self, requests):
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([2], np.float32))]) for _ in requests]
+""",
+    # reschedules its request and returns a response for it too: Triton's error
+    "qa_resched_returns": """
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.float32))]) for _ in requests]
 """,
     "qa_no_inputs": """
 class TritonPythonModel:

@@ -92,6 +92,8 @@ def main(grpc_url: str, http_url: str, gates: Path) -> dict:
     result["argv"] = outcome(lambda: g.infer("qa_argv", [fp32_input(tc, "IN", 1)]))
     result["ready_int"] = [h.is_model_ready("qa_ready_int"), g.is_model_ready("qa_ready_int")]
     result["ready_slow"] = slow_readiness(g, h, gates)
+    result["resched_returns"] = outcome(lambda: g.infer("qa_resched_returns", [fp32_input(tc, "IN", 1)],
+                                                        client_timeout=20))
     result["no_inputs_grpc"] = outcome(lambda: g.infer("qa_no_inputs", []))
     result["no_inputs_http"] = outcome(lambda: h.infer("qa_no_inputs", []))
     result["optional_http"] = {"none": outcome(lambda: h.infer("qa_optional", [])),

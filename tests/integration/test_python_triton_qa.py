@@ -173,3 +173,10 @@ def test_a_slow_is_ready_holds_up_no_request_and_is_asked_once_while_in_flight(s
     assert slow["served"] == {"out": [2.0]}  # answered while is_ready still waited
     assert slow["second"] is True  # the check in flight answered it
     assert slow["calls"] == 1
+
+
+def test_a_response_returned_for_a_rescheduled_request_fails_it_with_tritons_message(served):
+    _, result = served
+    assert result["resched_returns"] == {
+        "status": "StatusCode.INTERNAL",
+        "message": "Expected a None object in the execute function return list for reschduled request"}

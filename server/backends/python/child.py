@@ -35,6 +35,8 @@ from server.ipc.frames import FrameSocket
 _END = object()
 _NUDGE = ("nudge",)  # from the helper: the main thread may read the socket itself again
 _WORK = {p.INIT, p.AUTO, p.EXEC, p.STREAM, p.FINALIZE}
+# Triton's words (its spelling too: model code and its QA suite look for them)
+RETURNED_FOR_RESCHEDULED = "Expected a None object in the execute function return list for reschduled request"
 
 
 class Host:
@@ -215,7 +217,7 @@ class Host:
         batch = self._batches[call] = answers.Batch(len(built), self._reply)
         try:
             returned = self.face.run(built)
-            batch.returned([self._released(request) or r for request, r in zip(built, returned)])
+            batch.returned([self._released(request, r) or r for request, r in zip(built, returned)])
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
             self._execute_failed(exc)
             batch.failed(p.Reply([], (p.INTERNAL, self._failure(exc))))
@@ -286,11 +288,14 @@ class Host:
         if call in self._streaming:
             self.respond(call, pb.InferenceResponse(error=pb.TritonError(self._failure(exc))), True)
 
-    def _released(self, request: pb.InferenceRequest) -> str | p.Reply | None:
-        """What a request the model rescheduled gets in place of a response (Triton ignores one the
-        model returned for it anyway): run again, where the config allows it; None if not rescheduled."""
+    def _released(self, request: pb.InferenceRequest, returned=None) -> str | p.Reply | None:
+        """What a request the model rescheduled gets in place of a response: run again, where the config
+        allows it and execute returned None for it (a response returned for it is Triton's error); None if
+        not rescheduled."""
         if not request._rescheduled():
             return None
+        if self._iterative and returned is not None:
+            return p.Reply([], (p.INTERNAL, RETURNED_FOR_RESCHEDULED))
         if self._iterative:
             return p.RESCHEDULE
         return p.Reply([], (p.UNSUPPORTED, "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but the "
