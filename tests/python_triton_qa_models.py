@@ -31,6 +31,7 @@ _CONFIGS = {
     "qa_ready_slow": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32"),
     "qa_resched_returns": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32")
     + "sequence_batching { iterative_sequence: true }\n",
+    "qa_package": 'backend: "python"\nmax_batch_size: 0\n' + _io("TYPE_FP32"),
     "qa_no_inputs": 'backend: "python"\nmax_batch_size: 0\noutput [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]\n',
     "qa_optional": 'backend: "python"\nmax_batch_size: 0\n'
     'input [ { name: "A" data_type: TYPE_FP32 dims: [ 1 ] optional: true } ]\n'
@@ -257,6 +258,16 @@ class TritonPythonModel:
             request.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([1], np.float32))]) for _ in requests]
 """,
+    # imports a file of its folder relatively, as Triton's multi_file QA model does
+    "qa_package": """
+from . import qa_helper
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([qa_helper.VALUE], np.float32))])
+                for _ in requests]
+""",
     "qa_no_inputs": """
 class TritonPythonModel:
     def execute(self, requests):
@@ -293,3 +304,4 @@ def build(repo: Path, gates: Path) -> None:
         (repo / name / "config.pbtxt").write_text(config)
         head = _HEAD + f"GATES = {str(gates)!r}\n\n\n"
         (repo / name / "1" / "model.py").write_text(head + _MODELS[name].lstrip("\n"))
+    (repo / "qa_package" / "1" / "qa_helper.py").write_text("VALUE = 7.0\n")

@@ -94,6 +94,7 @@ def main(grpc_url: str, http_url: str, gates: Path) -> dict:
     result["ready_slow"] = slow_readiness(g, h, gates)
     result["resched_returns"] = outcome(lambda: g.infer("qa_resched_returns", [fp32_input(tc, "IN", 1)],
                                                         client_timeout=20))
+    result["package"] = outcome(lambda: g.infer("qa_package", [fp32_input(tc, "IN", 1)]))
     result["no_inputs_grpc"] = outcome(lambda: g.infer("qa_no_inputs", []))
     result["no_inputs_http"] = outcome(lambda: h.infer("qa_no_inputs", []))
     result["optional_http"] = {"none": outcome(lambda: h.infer("qa_optional", [])),

@@ -180,3 +180,8 @@ def test_a_response_returned_for_a_rescheduled_request_fails_it_with_tritons_mes
     assert result["resched_returns"] == {
         "status": "StatusCode.INTERNAL",
         "message": "Expected a None object in the execute function return list for reschduled request"}
+
+
+def test_model_py_imports_files_of_its_folder_relatively(served):
+    _, result = served
+    assert result["package"] == {"out": [7.0]}

@@ -25,9 +25,10 @@ from server.backends.python import protocol as p
 
 
 def import_model(path: Path):
-    """model.py as the module `model` would be imported by Triton's stub (its folder first on sys.path)."""
+    """model.py as the module `model` would be imported by Triton's stub (its folder first on sys.path), as
+    a package of its folder: `from . import helper` finds the folder's helper.py, as in Triton."""
     sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    spec = importlib.util.spec_from_file_location(path.stem, path, submodule_search_locations=[str(path.parent)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
