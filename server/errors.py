@@ -55,3 +55,11 @@ class AlreadyExistsError(FerryError):
 
 class DisabledError(FerryError):
     """The server's operator has not turned this on (a flag enables it); the message names the flag."""
+
+
+class UnknownError(FerryError):
+    """A Python model answered with pb_utils.TritonError.UNKNOWN: gRPC UNKNOWN, as Triton answers it."""
+
+
+class RequestCancelledError(FerryError):
+    """A request answered as cancelled (a Python model's TritonError.CANCELLED): gRPC CANCELLED."""

@@ -65,11 +65,12 @@ class Outputs(dict):
     dict everywhere else, so only the layers that rebuild a response's dict (reshape, classification,
     requested outputs) and the doors that encode it need to know (`with_parameters_of`)."""
 
-    __slots__ = ("parameters",)
+    __slots__ = ("parameters", "final")
 
-    def __init__(self, arrays=(), parameters: dict[str, bool | int | str] | None = None):
+    def __init__(self, arrays=(), parameters: dict[str, bool | int | str] | None = None, final: bool = False):
         super().__init__(arrays)
         self.parameters = dict(parameters or {})
+        self.final = final  # a decoupled model sent it with its final flag (no empty last response follows)
 
 
 def parameters_of(outputs: dict) -> dict[str, bool | int | str]:
@@ -79,8 +80,13 @@ def parameters_of(outputs: dict) -> dict[str, bool | int | str]:
 
 def with_parameters_of(rebuilt: dict, original: dict) -> dict:
     """`rebuilt` (a new dict made from `original`'s arrays) keeping `original`'s response parameters."""
-    params = parameters_of(original)
-    return Outputs(rebuilt, params) if params else rebuilt
+    params, final = parameters_of(original), is_final(original)
+    return Outputs(rebuilt, params, final) if params or final else rebuilt
+
+
+def is_final(outputs: dict) -> bool:
+    """Whether a decoupled model sent this response with its final flag (Triton's COMPLETE_FINAL)."""
+    return getattr(outputs, "final", False)
 
 
 class _Rescheduled(Outputs):

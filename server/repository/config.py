@@ -82,6 +82,17 @@ def _parse(data: bytes, where: str, pbtxt: bool, config: mc.ModelConfig) -> None
         raise ConfigError(f"{where}: not a valid ModelConfig (keys must be field names, values their types)") from None
 
 
+def _validate_io(config: mc.ModelConfig, source: str) -> None:
+    if not config.output:
+        raise field_error(source, "output", "is empty and the model file does not declare its outputs")
+    if not config.input and config.max_batch_size > 0:  # Triton serves a model without inputs; one that batches
+        raise field_error(source, "input", "is empty and the model file does not declare its inputs (a model "
+                          "without inputs is served with max_batch_size: 0; a batching model needs an input to "
+                          "carry the batch dimension)")
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        _validate_tensors(kind, tensors, source)
+
+
 def validate(config: mc.ModelConfig, source: str) -> None:
     """Refuse what Ferry cannot serve, naming the field; fill Triton's defaults so the RPC shows them."""
     if config.max_batch_size < 0:
@@ -92,10 +103,7 @@ def validate(config: mc.ModelConfig, source: str) -> None:
                           "ensemble_scheduling, sequence_batching)")
     if (scheduling == "ensemble_scheduling") != (config.platform == "ensemble"):
         raise field_error(source, "ensemble_scheduling", "and platform: \"ensemble\" go together (one is set without the other)")
-    for kind, tensors in (("input", config.input), ("output", config.output)):
-        if not tensors:
-            raise field_error(source, kind, f"is empty and the model file does not declare its {kind}s")
-        _validate_tensors(kind, tensors, source)
+    _validate_io(config, source)
     if config.HasField("dynamic_batching"):
         _validate_dynamic_batching(config, source)
     for i, group in enumerate(config.instance_group):

@@ -67,10 +67,11 @@ def _config(name: str, value) -> mc.ModelConfig:
 
 
 def _file_path(name: str, text: str) -> PurePosixPath:
-    path = PurePosixPath(text)
+    # `file:/1/model.py` names the model folder's 1/model.py, as Triton reads it (its QA suite writes it so)
+    path = PurePosixPath(text.lstrip("/"))
     parts = path.parts
     why = ""
-    if not text or path.is_absolute() or any(p in ("..", ".") for p in parts):
+    if not text.lstrip("/") or path.is_absolute() or any(p in ("..", ".") for p in parts):
         why = "must be a relative path inside the model folder, without '.' or '..'"
     elif len(parts) > MAX_DEPTH:
         why = f"is more than {MAX_DEPTH} folders deep"

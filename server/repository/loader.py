@@ -115,9 +115,9 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     signature = Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
     labels = classification.read_labels(config, version_dir.parent, source)
     entry.config, entry.signature = config, dataclasses.replace(signature, labels=labels)
-    for index, device in enumerate(_devices(config, backend_cls)):
+    for index, (device, name) in enumerate(_devices(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
-        backend.instance = index
+        backend.instance, backend.instance_name = index, name
         entry.backends.append(backend)
         backend.load()
     if config.model_warmup:
@@ -158,27 +158,30 @@ def _model_file(config: mc.ModelConfig, backend_cls, version_dir: Path) -> Path:
     raise ConfigError(f"{version_dir.parent.name}/{version_dir.name}/: model file {' or '.join(candidates)} is missing")
 
 
-def _devices(config: mc.ModelConfig, backend_cls) -> list[Device]:
+def _devices(config: mc.ModelConfig, backend_cls) -> list[tuple[Device, str]]:
+    """Each instance's device and Triton's name for it: `<group>_<index in group>`, the group named by
+    its `name` or `<model>_<group index>` (so a one-instance model's is `<model>_0_0`, as model code sees
+    in `args["model_instance_name"]`)."""
+    named = []
+    for g, group in enumerate(config.instance_group):
+        prefix = group.name or f"{config.name}_{g}"
+        named += [(device, f"{prefix}_{i}") for i, device in enumerate(_group_devices(config, group, backend_cls))]
+    return named
+
+
+def _group_devices(config: mc.ModelConfig, group, backend_cls) -> list[Device]:
     kind = mc.ModelInstanceGroup.Kind
-    cuda_count = None
-    devices = []
-    for group in config.instance_group:
-        if group.kind == kind.Value("KIND_CPU"):
-            devices += [Device("cpu")] * group.count
-            continue
-        if cuda_count is None:
-            cuda_count = backend_cls.cuda_devices()
-        if group.kind == kind.Value("KIND_GPU") and cuda_count == 0:
-            raise ConfigError(f"instance_group asks for KIND_GPU but no CUDA device works for the {backend_cls.name} backend")
-        if cuda_count == 0:
-            devices += [Device("cpu")] * group.count  # KIND_AUTO or KIND_MODEL without CUDA
-            continue
-        if group.kind == kind.Value("KIND_MODEL"):  # the model places itself (Triton's vLLM folders): not one per GPU
-            devices += [Device("cuda", 0)] * group.count
-            continue
-        gpus = list(group.gpus) or list(range(cuda_count))
-        for gpu in gpus:
-            if gpu >= cuda_count:
-                raise ConfigError(f"instance_group names gpu {gpu} but only {cuda_count} CUDA devices exist")
-        devices += [Device("cuda", gpu) for gpu in gpus for _ in range(group.count)]
-    return devices
+    if group.kind == kind.Value("KIND_CPU"):
+        return [Device("cpu")] * group.count
+    cuda_count = backend_cls.cuda_devices()
+    if group.kind == kind.Value("KIND_GPU") and cuda_count == 0:
+        raise ConfigError(f"instance_group asks for KIND_GPU but no CUDA device works for the {backend_cls.name} backend")
+    if cuda_count == 0:
+        return [Device("cpu")] * group.count  # KIND_AUTO or KIND_MODEL without CUDA
+    if group.kind == kind.Value("KIND_MODEL"):  # the model places itself (Triton's vLLM folders): not one per GPU
+        return [Device("cuda", 0)] * group.count
+    gpus = list(group.gpus) or list(range(cuda_count))
+    for gpu in gpus:
+        if gpu >= cuda_count:
+            raise ConfigError(f"instance_group names gpu {gpu} but only {cuda_count} CUDA devices exist")
+    return [Device("cuda", gpu) for gpu in gpus for _ in range(group.count)]

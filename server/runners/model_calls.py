@@ -27,11 +27,12 @@ import numpy as np
 from server.backends.python import protocol as p
 from server.observability.custom_metrics import CustomMetrics
 from server.errors import (AlreadyExistsError, FerryError, InvalidInputError, ModelNotFoundError,
-                           ModelUnavailableError, QueueFullError, UnsupportedError)
+                           ModelUnavailableError, QueueFullError, RequestCancelledError, UnknownError,
+                           UnsupportedError)
 from server.observability.metrics import ModelProcessRestarts
 from server.observability.tracing.doors import GenerationTrace
 from server.observability.tracing.record import TENSOR_BACKEND_OUTPUT, TENSOR_QUEUE_INPUT, call_trace, ended
-from server.request import InferRequest, parameters_of
+from server.request import InferRequest, is_final, parameters_of
 from server.runners.sequence_inputs import FLAG_END, FLAG_START
 from server.runners import generation_tensors
 from server.runners.base import DECOUPLED, GENERATE
@@ -42,7 +43,7 @@ _CANCELLED = "the request that made this BLS call was cancelled"
 Answer = Callable[..., None]  # answer(outputs=None, error=None, final=True, parameters=None)
 _CODES = [(InvalidInputError, p.INVALID_ARG), (ModelNotFoundError, p.NOT_FOUND), (QueueFullError, p.UNAVAILABLE),
           (ModelUnavailableError, p.UNAVAILABLE), (UnsupportedError, p.UNSUPPORTED),
-          (AlreadyExistsError, p.ALREADY_EXISTS)]
+          (AlreadyExistsError, p.ALREADY_EXISTS), (UnknownError, p.UNKNOWN), (RequestCancelledError, p.CANCELLED)]
 
 
 class LateControl:
@@ -90,9 +91,12 @@ class ModelCalls:
             if model.runner.serves == DECOUPLED:
                 if not call.decoupled:
                     raise InvalidInputError(f"model '{call.model}' is decoupled: call it with exec(decoupled=True)")
+                final = False
                 async for outputs in model.runner.stream(request):
-                    answer(_wanted(outputs, call), None, False, parameters_of(outputs))
-                answer(None, None, True)
+                    final = is_final(outputs)  # the final flag came with it: no empty last response (Triton's)
+                    answer(_wanted(outputs, call), None, final, parameters_of(outputs))
+                if not final:
+                    answer(None, None, True)
                 return
             outputs = await model.runner.infer(request)
             _traced(trace, TENSOR_BACKEND_OUTPUT, outputs)

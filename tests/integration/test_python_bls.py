@@ -78,7 +78,8 @@ def test_response_parameters_reach_grpc_http_streams_and_bls_callers(served):
 def test_a_parameter_of_another_type_is_refused_with_tritons_message(served):
     refused = calls(served, "params")["refused"]
     assert refused["status"] == "StatusCode.INTERNAL"
-    assert refused["message"] == "Expect parameters values to have type bool/int/str, found type <class 'float'>"
+    assert refused["message"] == ("Failed to process the request(s) for model instance 'tparams_0_0', message: "
+                                  "Expect parameters values to have type bool/int/str, found type <class 'float'>")
 
 
 def test_response_parameters_cross_the_front_end_processes(tmp_path):

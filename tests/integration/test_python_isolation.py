@@ -129,7 +129,8 @@ def test_system_exit_and_keyboard_interrupt_fail_at_once_and_the_process_keeps_s
     pid = crashy(server, 0)
     for mode, message in ((3, "model code raised SystemExit(5)"), (4, "model code raised KeyboardInterrupt")):
         err = crashy_error(server, mode)
-        assert err.code() == grpc.StatusCode.INTERNAL and err.details() == message
+        assert err.code() == grpc.StatusCode.INTERNAL
+        assert err.details() == f"Failed to process the request(s) for model instance 'crashy_0_0', message: {message}"
         neighbours_answer(server)
         assert crashy(server, 0) == pid  # the same process
     assert (server.metric("ferry_model_process_restarts_total", model="crashy", version="1") or 0.0) == 0.0

@@ -45,7 +45,7 @@ def test_initialize_gets_tritons_args_and_requests_their_accessors(served):
     info = good["info"]
     args = info["args"]
     assert args["model_name"] == "tadd3" and args["model_version"] == "1" and args["model_instance_kind"] == "CPU"
-    assert args["model_instance_name"] == "tadd3_0" and args["model_instance_device_id"] == "0"
+    assert args["model_instance_name"] == "tadd3_0_0" and args["model_instance_device_id"] == "0"
     assert Path(args["model_repository"]) == repo / "tadd3"
     assert info["config_name"] == "tadd3" and info["max_batch_size"] == 8 and info["in_dims"] == [4]
     assert info["request_id"] == "r-good" and info["parameters"] == {"color": "red"}
@@ -66,7 +66,8 @@ def test_an_error_response_fails_its_request_alone_in_one_execute(served):
 def test_a_raised_exception_fails_with_its_message_and_the_model_keeps_serving(served):
     _, result, _ = served
     assert result["raised"]["status"] == "StatusCode.INTERNAL"
-    assert result["raised"]["message"] == "ValueError: ninety-nine is not a number this model adds"  # no traceback
+    assert result["raised"]["message"] == ("Failed to process the request(s) for model instance 'tadd_0_0', message: "
+                                           "ValueError: ninety-nine is not a number this model adds")  # no traceback
     assert result["after_raise"] == [[1.0, 2.0, 3.0, 4.0]]
 
 

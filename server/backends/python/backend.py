@@ -34,15 +34,18 @@ from server.backends.python.faces import defines_auto_complete
 from server.backends.python.process import ModelProcess, ProcessDied
 from server.config_json import config_json
 from server.errors import (AlreadyExistsError, BackendError, ConfigError, FerryError, InvalidInputError,
-                           ModelNotFoundError, ModelUnavailableError, UnsupportedError)
+                           ModelNotFoundError, ModelUnavailableError, RequestCancelledError, UnknownError,
+                           UnsupportedError)
 from server.request import RESCHEDULED, InferRequest, Outputs
 
 log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
 READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not ready"
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
+# pb_utils.TritonError codes as Triton answers them (INTERNAL, and a code Triton does not know: INTERNAL)
 _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
-           p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError}
+           p.UNSUPPORTED: UnsupportedError, p.ALREADY_EXISTS: AlreadyExistsError, p.UNKNOWN: UnknownError,
+           p.CANCELLED: RequestCancelledError}
 
 
 class PythonBackend(Backend):
@@ -95,11 +98,9 @@ class PythonBackend(Backend):
                               "not supported: Ferry runs model.py with the server's own Python; install the model's "
                               "packages there instead")
         if (parameter(self.config, "FORCE_CPU_ONLY_INPUT_TENSORS") or "yes").lower() in ("no", "false", "off"):
-            if self.cuda_devices() == 0:
-                raise ConfigError(f"model '{self.config.name}': parameter FORCE_CPU_ONLY_INPUT_TENSORS is 'no' (GPU "
-                                  "input tensors) but this machine has no GPU; remove the parameter to get host tensors")
-            log.warning("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS 'no' is not supported; its input tensors are on the "
-                        "host (Tensor.is_cpu() is true)", self.config.name)
+            # Triton hands host tensors anyway where the inputs are on the host (always here): is_cpu() is true
+            log.info("model '%s': FORCE_CPU_ONLY_INPUT_TENSORS is 'no': its input tensors are on the host "
+                     "(Tensor.is_cpu() is true; to_dlpack() shares them)", self.config.name)
         self.priority = priority.Priority(self.config.name, priority.parse(self.config.name,
                                                                            parameter(self.config, priority.PARAMETER)))
         self.process = self._start()
@@ -129,7 +130,8 @@ class PythonBackend(Backend):
         config = config_json(self.config)
         return {
             "model_config": json.dumps(config), "model_instance_kind": "GPU" if self.device.kind == "cuda" else "CPU",
-            "model_instance_device_id": str(self.device.index), "model_instance_name": f"{self.config.name}_{self.instance}",
+            "model_instance_device_id": str(self.device.index),
+            "model_instance_name": self.instance_name or f"{self.config.name}_0_{self.instance}",
             "model_repository": str(self.model_path.parent.parent), "model_version": str(self.version),
             "model_name": self.config.name,
             "ferry_model_path": str(self.model_path), "ferry_config": config, "ferry_version_dir": str(self.model_path.parent),
@@ -258,13 +260,13 @@ class PythonBackend(Backend):
         return p.Request(request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
                          dict(params) if params else {}, request.correlation_id, request.sequence_flags)
 
-    def _outputs(self, process: ModelProcess, reply: p.Reply | str) -> dict[str, np.ndarray] | FerryError:
+    def _outputs(self, process: ModelProcess, reply: p.Reply | str, final: bool = False) -> dict[str, np.ndarray] | FerryError:
         if reply == p.RESCHEDULE:
             return RESCHEDULED
         if reply.error is not None:
             code, message = reply.error
             return _ERRORS.get(code, BackendError)(message)
-        return Outputs({t.name: process.view(t) for t in reply.outputs}, reply.parameters)
+        return Outputs({t.name: process.view(t) for t in reply.outputs}, reply.parameters, final)
 
     def is_ready(self) -> bool:
         """Triton's is_ready(), where the model defines it; a dead process is not ready."""
@@ -321,7 +323,7 @@ class _Stream:
             self.request.sequence_flags = 0  # neither its sequence's start any more, nor its end
             self.process.restream(self.call, self.backend._request(self.process, self.request, self.request.inputs))
         elif reply is not None and not self._left:
-            self._deliver(self.backend._outputs(self.process, reply))
+            self._deliver(self.backend._outputs(self.process, reply, final))
         if final:
             self._end(STREAM_END)
 

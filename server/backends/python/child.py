@@ -21,10 +21,11 @@ import queue
 import socket
 import sys
 import threading
+import traceback
 from concurrent.futures import Future
 from pathlib import Path
 
-from server.backends.python import faces
+from server.backends.python import answers, faces
 from server.backends.python import pb_utils as pb
 from server.backends.python import protocol as p
 from server.ipc import tensors as ipc_tensors
@@ -34,6 +35,8 @@ from server.ipc.frames import FrameSocket
 _END = object()
 _NUDGE = ("nudge",)  # from the helper: the main thread may read the socket itself again
 _WORK = {p.INIT, p.AUTO, p.EXEC, p.STREAM, p.FINALIZE}
+# Triton's words (its spelling too: model code and its QA suite look for them)
+RETURNED_FOR_RESCHEDULED = "Expected a None object in the execute function return list for reschduled request"
 
 
 class Host:
@@ -54,10 +57,12 @@ class Host:
         self._refs = itertools.count(1)
         self._cancelled: set[int] = set()
         self._streaming: set[int] = set()  # decoupled calls whose final response is not sent yet
+        self._batches: dict[int, answers.Batch] = {}  # EXEC calls not yet answered in full (response senders)
         self.loop = asyncio.new_event_loop()
         self.face: faces.Face | None = None
         self._current = 0  # the EXEC call running (or last run)
         self._iterative = False  # the config's sequence_batching.iterative_sequence: requests may be rescheduled
+        self._instance = ""  # Triton's name of this instance (`<model>_0_0`), in the messages of failed executes
 
     # ---- reading: the main thread while it is idle, the helper thread while model code runs
     def _take(self) -> tuple:
@@ -121,13 +126,18 @@ class Host:
             self._free_ours(frame[1])
         elif kind == p.HANDOVER:
             self.link.send((p.HANDOVER,))
-        elif kind == p.CHECK:
-            try:
-                ready = self.face.is_ready()
-            except BaseException as exc:  # noqa: BLE001 - a readiness check that fails says "not ready"
-                print(f"is_ready failed: {_message(exc)}", file=sys.stderr)
-                ready = False
-            self.link.send((p.CHECKED, frame[1], ready))
+        elif kind == p.CHECK:  # on a thread of its own: a slow is_ready() holds up neither reads nor executes
+            threading.Thread(target=self._check, args=(frame[1],), name="ferry-is-ready", daemon=True).start()
+
+    def _check(self, ref: int) -> None:
+        try:
+            ready = self.face.is_ready()
+            if not isinstance(ready, bool):  # as Triton: only True is ready
+                raise TypeError(f"is_ready must return a bool, got {type(ready).__name__}")
+        except BaseException as exc:  # noqa: BLE001 - a readiness check that fails says "not ready"
+            print(f"is_ready failed: {_message(exc)}", file=sys.stderr)
+            ready = False
+        self.link.send((p.CHECKED, ref, ready))
 
     def _called(self, ref: int, reply: p.Reply | None, final: bool) -> None:
         future, items = self._pending.get(ref, (None, None))
@@ -139,10 +149,13 @@ class Host:
             return
         if reply is not None:
             items.put(self._response(reply))
+        elif final:
+            items.put(pb.InferenceResponse())  # the final flag sent alone: Triton's last, empty response
         if final:
             del self._pending[ref]
-            items.put(pb.InferenceResponse())  # Triton's last, flag-only response of a decoupled stream
             items.put(_END)
+        if not future.done():  # as in Triton, exec(decoupled=True) answers with the first response
+            future.set_result(_Responses(items, functools.partial(self.link.send, (p.UNCALL, ref))))
 
     # ---- the main thread
     def serve(self) -> None:
@@ -176,6 +189,7 @@ class Host:
             self.face = faces.face_of(module, Path(args["ferry_model_path"]), self.loop)
             batching = json.loads(args.get("model_config") or "{}").get("sequence_batching") or {}
             self._iterative = bool(batching.get("iterative_sequence"))
+            self._instance = args.get("model_instance_name", "")
             self.face.initialize(args)
         except BaseException as exc:  # noqa: BLE001 - a model that cannot start says why, and the load fails
             self.link.send((p.FAILED, _message(exc)))
@@ -194,16 +208,43 @@ class Host:
         self.link.send((p.AUTO, json.dumps(completed.as_dict())))
 
     def _exec(self, call: int, requests: list[p.Request], freed: list[int]) -> None:
+        """A batch of a model that is not decoupled: each request is answered once, by the response
+        execute returns for it or through its response sender (before or after execute returns, as
+        Triton allows); the batch is done (DONE) once every request has its answer."""
         self._free_ours(freed)
         self._current = call
         built = [self._request(r, call, i) for i, r in enumerate(requests)]
+        batch = self._batches[call] = answers.Batch(len(built), self._reply)
         try:
-            replies = [self._released(request) or self._reply(r) for request, r in zip(built, self.face.run(built))]
+            returned = self.face.run(built)
+            batch.returned([self._released(request, r) or r for request, r in zip(built, returned)])
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the process keeps serving
-            replies = [p.Reply([], (p.INTERNAL, _message(exc)))] * len(requests)
+            self._execute_failed(exc)
+            batch.failed(p.Reply([], (p.INTERNAL, self._failure(exc))))
         del built
+        self._answered(call)
+
+    def _answered(self, call: int) -> None:
+        """The batch's DONE, once every request has its answer (from whichever thread gave the last)."""
+        batch = self._batches.get(call)
+        if batch is None or not batch.complete():
+            return
+        if self._batches.pop(call, None) is None:
+            return  # another thread sent it
         self._cancelled.discard(call)
-        self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
+        self.link.send((p.DONE, call, batch.replies, self._take_freed()))  # blocks freed so far ride along
+
+    def _failure(self, exc: BaseException) -> str:
+        """What the callers of an execute that raised read: Triton's words around the exception's."""
+        if isinstance(exc, faces.ReturnedResponses):
+            return (f"Python model '{self._instance}' is using the decoupled mode and the execute function must "
+                    "return None. Responses go through each request's response sender.")
+        return f"Failed to process the request(s) for model instance '{self._instance}', message: {_message(exc)}"
+
+    def _execute_failed(self, exc: BaseException) -> None:
+        """As Triton's stub: the exception's traceback in the server's log (the caller reads its message)."""
+        self.log(2, "Failed to execute the request(s): " + "".join(
+            traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
 
     def _stream(self, calls: list[int], requests: list[p.Request], freed: list[int]) -> None:
         """Decoupled requests, one execute (a batch of them where the model batches; one request when it
@@ -219,6 +260,7 @@ class Host:
                                               concurrent=not self._iterative)
         except BaseException as exc:  # noqa: BLE001
             running = None
+            self._execute_failed(exc)
             for call in calls:
                 self._failed(call, exc)
         if running is not None:
@@ -237,19 +279,23 @@ class Host:
     def _async_done(self, calls: list[int], done: Future) -> None:
         """On the instance's async loop: a decoupled async execute is over."""
         if not done.cancelled() and done.exception() is not None:
+            self._execute_failed(done.exception())
             for call in calls:
                 self._failed(call, done.exception())
 
     def _failed(self, call: int, exc: BaseException) -> None:
         """A decoupled execute raised: its request ends with the message, unless its final response is out."""
         if call in self._streaming:
-            self.respond(call, pb.InferenceResponse(error=pb.TritonError(_message(exc))), True)
+            self.respond(call, pb.InferenceResponse(error=pb.TritonError(self._failure(exc))), True)
 
-    def _released(self, request: pb.InferenceRequest) -> str | p.Reply | None:
-        """What a request the model rescheduled gets in place of a response (Triton ignores one the
-        model returned for it anyway): run again, where the config allows it; None if not rescheduled."""
+    def _released(self, request: pb.InferenceRequest, returned=None) -> str | p.Reply | None:
+        """What a request the model rescheduled gets in place of a response: run again, where the config
+        allows it and execute returned None for it (a response returned for it is Triton's error); None if
+        not rescheduled."""
         if not request._rescheduled():
             return None
+        if self._iterative and returned is not None:
+            return p.Reply([], (p.INTERNAL, RETURNED_FOR_RESCHEDULED))
         if self._iterative:
             return p.RESCHEDULE
         return p.Reply([], (p.UNSUPPORTED, "Request is released with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE, but the "
@@ -266,14 +312,17 @@ class Host:
     # ---- what pb_utils calls
     def respond(self, call: int, response: pb.InferenceResponse | None, final: bool) -> None:
         if call not in self._streaming:
-            raise pb.TritonModelException("this request's final response was sent already")
+            raise pb.TritonModelException(pb.SENDER_CLOSED)
         if final:
             self._streaming.discard(call)
             self._cancelled.discard(call)
         self.link.send((p.RESPONSE, call, self._reply(response) if response is not None else None, final))
 
-    def sender(self, call: int) -> pb.InferenceResponseSender:
-        return pb.InferenceResponseSender(self, call)
+    def sender(self, call: int, index: int = 0):
+        batch = self._batches.get(call)
+        if batch is None:
+            return pb.InferenceResponseSender(self, call)
+        return answers.Sender(batch, index, functools.partial(self._answered, call), functools.partial(self.cancelled, call))
 
     def cancelled(self, call: int) -> bool:
         return call in self._cancelled
@@ -290,8 +339,6 @@ class Host:
                       request.flags())
         self._wanted.set()
         self.link.send((p.CALL, ref, sent, self._current))  # the execute it is made for: its deadline
-        if decoupled:
-            future.set_result(_Responses(items, functools.partial(self.link.send, (p.UNCALL, ref))))
         return future
 
     def control(self, op: str, name: str, version: str, config: str, files: dict):
@@ -403,6 +450,7 @@ def _message(exc: BaseException) -> str:
 
 def main(argv: list[str]) -> None:
     fd, arena_path, arena_bytes = int(argv[0]), argv[1], int(argv[2])
+    sys.argv = sys.argv[:1]  # model code sees no arguments (as in Triton's stub): unittest.main() in a model parses them
     link = FrameSocket(socket.socket(fileno=fd))
     arena = Arena(Path(arena_path), arena_bytes, create=False) if arena_path else None
     host = Host(link, arena)

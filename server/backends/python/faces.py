@@ -25,9 +25,10 @@ from server.backends.python import protocol as p
 
 
 def import_model(path: Path):
-    """model.py as the module `model` would be imported by Triton's stub (its folder first on sys.path)."""
+    """model.py as the module `model` would be imported by Triton's stub (its folder first on sys.path), as
+    a package of its folder: `from . import helper` finds the folder's helper.py, as in Triton."""
     sys.path.insert(0, str(path.parent))
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    spec = importlib.util.spec_from_file_location(path.stem, path, submodule_search_locations=[str(path.parent)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
@@ -72,7 +73,7 @@ class Face:
         ready = self.model.is_ready()
         if inspect.isawaitable(ready):
             ready = asyncio.new_event_loop().run_until_complete(ready)
-        return bool(ready)
+        return ready
 
     def _args(self, args: dict) -> dict:
         raise NotImplementedError
@@ -94,7 +95,12 @@ class TritonFace(Face):
         return {key: value for key, value in args.items() if not key.startswith("ferry_")}
 
     def run(self, requests):
-        responses = self._wait(self.model.execute(requests))
+        returned = self.model.execute(requests)
+        if inspect.isawaitable(returned):
+            # on the instance's async loop, which keeps running after execute returns: tasks the model
+            # started (a response sent later through a request's response sender) go on, as in Triton
+            returned = asyncio.run_coroutine_threadsafe(_awaited(returned), self._executing()).result()
+        responses = [None] * len(requests) if returned is None else returned  # answered by response senders
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             got = f"{len(responses)} responses" if isinstance(responses, (list, tuple)) else type(responses).__name__
             raise pb.TritonModelException(f"execute must return one InferenceResponse per request: "
@@ -106,7 +112,7 @@ class TritonFace(Face):
         if concurrent and inspect.isawaitable(returned):
             return asyncio.run_coroutine_threadsafe(_returns_none(returned), self._executing())
         if self._wait(returned) is not None:
-            raise pb.TritonModelException(_RETURNS_NONE)
+            raise ReturnedResponses(_RETURNS_NONE)
         return None
 
     def _executing(self) -> asyncio.AbstractEventLoop:
@@ -149,12 +155,21 @@ class FerryFace(Face):
         return pb.InferenceResponse([pb.Tensor(name, np.asarray(value)) for name, value in outputs.items()])
 
 
-_RETURNS_NONE = "a decoupled model's execute must return None (responses go through each request's response sender)"
+class ReturnedResponses(pb.TritonModelException):
+    """A decoupled model's execute returned responses: the model process words it as Triton does, with the
+    instance's name."""
+
+
+_RETURNS_NONE = "a decoupled model's execute must return None"
+
+
+async def _awaited(execute):
+    return await execute
 
 
 async def _returns_none(execute) -> None:
     if await execute is not None:
-        raise pb.TritonModelException(_RETURNS_NONE)
+        raise ReturnedResponses(_RETURNS_NONE)
 
 
 def _arrays(request: pb.InferenceRequest) -> dict[str, np.ndarray]:

@@ -21,9 +21,14 @@ class LogLevel(enum.IntEnum):
 
 
 class Logger:
+    INFO, WARNING, ERROR, VERBOSE = LogLevel.INFO, LogLevel.WARNING, LogLevel.ERROR, LogLevel.VERBOSE  # Triton's aliases
+
     @staticmethod
     def log(message: str, level: LogLevel = LogLevel.INFO) -> None:
-        _host().log(int(level), str(message))
+        if not isinstance(message, str) or not isinstance(level, LogLevel):  # as Triton's bindings refuse them
+            raise TypeError(f"Logger.log(message: str, level: pb_utils.LogLevel): got {type(message).__name__} and "
+                            f"{type(level).__name__}")
+        _host().log(int(level), message)
 
     @staticmethod
     def log_info(message: str) -> None:

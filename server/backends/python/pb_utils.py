@@ -157,6 +157,8 @@ class Tensor:
     """A named numpy array (on the CPU: this server runs Python models' tensors on the host)."""
 
     def __init__(self, name: str, data, dtype=None):
+        if not isinstance(name, str) or data is None:  # Triton's pybind11 signature refuses them so
+            raise TypeError(f"Tensor(name: str, data: numpy array): got {type(name).__name__} and {type(data).__name__}")
         array = data if isinstance(data, np.ndarray) else np.asarray(data, dtype=dtype)
         if array.dtype.kind in "SU":
             array = array.astype(np.object_)
@@ -185,6 +187,9 @@ class Tensor:
     @staticmethod
     def from_dlpack(name: str, dlpack) -> Tensor:
         """From a DLPack capsule or any object with `__dlpack__` (a torch tensor, say); host memory only."""
+        if dlpack is None or not name:
+            raise TritonModelException("Tensor.from_dlpack needs a tensor name and a DLPack capsule or an object "
+                                       "with __dlpack__")
         if hasattr(dlpack, "__dlpack_device__") and dlpack.__dlpack_device__()[0] != 1:
             raise TritonModelException(f"tensor '{name}' is on a GPU; Ferry's Python backend takes host tensors only")
         if hasattr(dlpack, "__dlpack__"):
@@ -223,10 +228,33 @@ def _checked_parameters(parameters) -> dict:
     return dict(parameters)
 
 
+def _tensors(given, owner: str, field: str) -> list[Tensor]:
+    """A list of Tensors, refused as Triton's pybind11 bindings refuse it: not a list (TypeError), or an
+    element that is not a Tensor (TritonModelException)."""
+    if not isinstance(given, (list, tuple)):
+        raise TypeError(f"{owner}: {field} must be a list of pb_utils.Tensor, got {type(given).__name__}")
+    if not all(isinstance(t, Tensor) for t in given):
+        raise TritonModelException(f"{owner}: every element of {field} must be a pb_utils.Tensor")
+    return list(given)
+
+
+def _check_request_args(model_name, requested_output_names, request_id, correlation_id, flags, model_version) -> None:
+    """Triton's pybind11 signature of InferenceRequest: arguments of another type are a TypeError."""
+    wrong = [name for name, value, types in (
+        ("model_name", model_name, (str, bytes)), ("request_id", request_id, str),
+        ("correlation_id", correlation_id, (int, str)), ("flags", flags, int), ("model_version", model_version, int))
+        if not isinstance(value, types)]
+    if not isinstance(requested_output_names, (list, tuple)) or not all(
+            isinstance(n, str) for n in requested_output_names):
+        wrong.append("requested_output_names")
+    if wrong:
+        raise TypeError(f"InferenceRequest: {', '.join(wrong)} of the wrong type")
+
+
 class InferenceResponse:
-    def __init__(self, output_tensors: list[Tensor] | None = None, error: TritonError | None = None,
+    def __init__(self, output_tensors: list[Tensor] = (), error: TritonError | None = None,
                  parameters: dict | None = None):
-        self._outputs = list(output_tensors or [])
+        self._outputs = _tensors(output_tensors, "InferenceResponse", "output_tensors")
         self._error = error
         self._parameters = _checked_parameters(parameters)
 
@@ -243,6 +271,9 @@ class InferenceResponse:
         return json.dumps(self._parameters)
 
 
+SENDER_CLOSED = "Unable to send response. Response sender has been closed."  # Triton's words, which model code may test
+
+
 class InferenceResponseSender:
     """A decoupled model's way to answer: 0..N `send`s, the last with TRITONSERVER_RESPONSE_COMPLETE_FINAL."""
 
@@ -252,7 +283,7 @@ class InferenceResponseSender:
 
     def send(self, response: InferenceResponse | None = None, flags: int = 0) -> None:
         if self._closed:
-            raise TritonModelException("this request's final response was sent already")
+            raise TritonModelException(SENDER_CLOSED)
         final = bool(flags & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self._closed = final
         self._host.respond(self._call, response, final)
@@ -277,15 +308,17 @@ class InferenceTrace:
 class InferenceRequest:
     """A request given to execute, or (built by model code) a BLS request to another model."""
 
-    def __init__(self, model_name: str = "", inputs: list[Tensor] | None = None,
-                 requested_output_names: list[str] | None = None, request_id: str = "", correlation_id=0,
-                 flags: int = 0, timeout: int = 0, model_version: int = -1, parameters: dict | None = None,
-                 preferred_memory=None, trace: InferenceTrace | None = None, _call: int | None = None,
-                 _index: int = 0):
+    def __init__(self, model_name: str = "", inputs: list[Tensor] = (), requested_output_names: list[str] = (),
+                 request_id: str = "", correlation_id=0, flags: int = 0, timeout: int = 0, model_version: int = -1,
+                 parameters: dict | None = None, preferred_memory=None, trace: InferenceTrace | None = None,
+                 _call: int | None = None, _index: int = 0):
+        if _call is None:  # built by model code: its arguments are checked as Triton's bindings check them
+            _check_request_args(model_name, requested_output_names, request_id, correlation_id, flags, model_version)
+            inputs = _tensors(inputs, "InferenceRequest", "inputs")
         self.model_name = model_name.decode() if isinstance(model_name, bytes) else str(model_name)  # a BYTES element
         self.model_version = model_version
-        self._inputs = list(inputs or [])
-        self._requested = list(requested_output_names or [])
+        self._inputs = list(inputs)
+        self._requested = list(requested_output_names)
         self._request_id, self._correlation_id, self._flags, self._timeout = request_id, correlation_id, flags, timeout
         # a request given to execute carries the client's parameters as they came (a double too)
         self._parameters = dict(parameters or {}) if _call is not None else _checked_parameters(parameters)
@@ -327,7 +360,7 @@ class InferenceRequest:
     def get_response_sender(self) -> InferenceResponseSender:
         if self._call is None:
             raise TritonModelException("only a request given to execute has a response sender")
-        return _the_host().sender(self._call)
+        return _the_host().sender(self._call, self._trace._ref[1])
 
     def set_release_flags(self, flags: int) -> None:
         """TRITONSERVER_REQUEST_RELEASE_RESCHEDULE: run this request again in a later execute (a model whose

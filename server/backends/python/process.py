@@ -62,7 +62,9 @@ class ModelProcess:
         self._blocks_lock = threading.Lock()
         self._freed: collections.deque[int] = collections.deque()  # blocks of the child's half seen to the last view
         self.death: str | None = None  # why the process ended, once it has
-        self._checks: dict[int, queue.Queue] = {}  # is_ready() calls waiting for their answer
+        self._checks: dict[int, Future] = {}  # is_ready() calls waiting for their answer
+        self._check: Future | None = None  # the one in flight: later askers wait for its answer (as in Triton)
+        self._check_lock = threading.Lock()
         self._deadlines: dict[int, int] = {}  # EXEC call -> its requests' deadline, which its BLS calls inherit
         self._made: dict[int, _Made] = {}  # EXEC or STREAM call -> its callers and the BLS calls it made
         self._bls: dict[int, Future] = {}  # decoupled BLS calls running, by the model's ref (UNCALL cancels one)
@@ -225,16 +227,19 @@ class ModelProcess:
         self._traces.pop(call, None)
 
     def is_ready(self, timeout_s: float) -> bool:
-        """The model's is_ready(), answered within `timeout_s` or taken as "not ready" (Triton's 5 s)."""
-        ref, answer = next(self._ids), queue.Queue()
-        self._checks[ref] = answer
+        """The model's is_ready(), answered within `timeout_s` or taken as "not ready" (Triton's 5 s). A
+        check asked while another is in flight waits for that one's answer (a slow is_ready is not asked
+        again and again): so a check that timed out still answers the next asker when it returns."""
+        with self._check_lock:
+            check = self._check
+            if check is None or check.done():
+                ref, check = next(self._ids), Future()
+                self._checks[ref], self._check = check, check
+                self._send((p.CHECK, ref))
         try:
-            self._send((p.CHECK, ref))
-            return bool(answer.get(timeout=timeout_s))
-        except queue.Empty:
+            return check.result(timeout=timeout_s) is True
+        except TimeoutError:
             return False
-        finally:
-            self._checks.pop(ref, None)
 
     def cancel(self, call: int) -> None:
         """On the event loop: a stream's caller went away: tell the model (its request's is_cancelled());
@@ -389,9 +394,9 @@ class ModelProcess:
             if target is not None:
                 target.put(frame[2] if kind == p.DONE else (frame[2], frame[3]))
         elif kind == p.CHECKED:
-            target = self._checks.get(frame[1])
+            target = self._checks.pop(frame[1], None)
             if target is not None:
-                target.put(frame[2])
+                target.set_result(frame[2])
         elif kind in (p.READY, p.FAILED, p.AUTO):
             target = self._waiting.get(0)
             if target is not None:

@@ -27,6 +27,8 @@ STATUS = {
     errors.RegionNotFoundError: grpc.StatusCode.NOT_FOUND,
     errors.AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,  # as Triton answers a region registered twice
     errors.DisabledError: grpc.StatusCode.PERMISSION_DENIED,  # the server's flags forbid it, whoever asks
+    errors.UnknownError: grpc.StatusCode.UNKNOWN,
+    errors.RequestCancelledError: grpc.StatusCode.CANCELLED,
 }
 
 

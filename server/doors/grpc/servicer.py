@@ -8,19 +8,19 @@ import time
 from protos import grpc_service_pb2 as pb
 from protos import grpc_service_pb2_grpc as pb_grpc
 from server import __version__
-from server.errors import InvalidInputError, ModelNotFoundError, ModelUnavailableError
+from server.errors import FerryError, InvalidInputError, ModelNotFoundError, ModelUnavailableError
 from server.doors.shared import class_counts, classified, infer_request, model_ready, serving
 from server.observability.log_settings import LogControl
 from server.doors.model_control import ModelControl
 from server.doors.header_forward import HeaderForward
 from server.tensors.wire import ByteSizeError
 from server.observability.metrics import INFER_DURATIONS
-from server.names import parse_version
+from server.names import capped, parse_version
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest, parameters_of
 from server.doors.grpc import codec
 from server.doors.grpc import shared_memory as shm_rpc
-from server.doors.grpc.errors import translate_errors
+from server.doors.grpc.errors import status_of, translate_errors
 from server.doors.grpc.response_bytes import response_bytes
 from server.doors.grpc.stream_infer import stream_infer
 from server.runners.base import DECOUPLED, INFER
@@ -160,11 +160,15 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
 
         remaining = context.time_remaining()
         deadline = time.monotonic_ns() + int(remaining * 1e9) if remaining is not None else None
+        errors_end = dict(context.invocation_metadata() or ()).get("triton_grpc_error") == "true"
         streams = stream_infer(self.registry, request_iterator, infer_one, deadline, stream_one,
-                               StreamTracing(self.tracing, context))
-        async with contextlib.aclosing(streams) as responses:
-            async for response in responses:
-                yield response
+                               StreamTracing(self.tracing, context), errors_end)
+        try:
+            async with contextlib.aclosing(streams) as responses:
+                async for response in responses:
+                    yield response
+        except FerryError as exc:  # only with `triton_grpc_error: true`: Triton ends such a stream at its first error
+            await context.abort(status_of(exc), capped(exc.message))
 
     def _forwarded(self, context) -> dict[str, str] | None:
         """The request parameters --grpc-header-forward-pattern makes of the call's metadata (None: no pattern)."""

@@ -6,7 +6,9 @@ read with Triton's vLLM tensor conventions (runners/generation_tensors.py) and a
 response carries `triton_final_response`. Decoupled python models answer 0..N times as the model
 yields, each with `triton_final_response: false`; as in Triton, the end is marked by an empty final
 response when the request asks for one (`triton_enable_empty_final_response`, tritonclient's
-`enable_empty_final_response=True`). Errors go back as `error_message` and the stream goes on.
+`enable_empty_final_response=True`). Errors go back as `error_message` and the stream goes on; a
+stream opened with the header `triton_grpc_error: true` (Triton's) ends at its first error instead,
+with that error's gRPC status, and what would follow it is dropped.
 A sampled request is traced on its own (tracing/streams.py): its responses travel to the writer
 wrapped, so the writer can mark each send; an untraced one costs one check of `tracing.active`.
 """
@@ -19,7 +21,7 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from protos import grpc_service_pb2 as pb
-from server.errors import FerryError
+from server.errors import BackendError, FerryError
 from server.names import capped
 from server.repository.registry import ModelVersion, Registry
 from server.doors.grpc import vllm_tensors
@@ -37,9 +39,11 @@ StreamOne = Callable[[pb.ModelInferRequest, int, Any], AsyncIterator[pb.ModelInf
 
 async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInferRequest], infer_one: InferOne,
                        deadline_ns: int | None = None, stream_one: StreamOne | None = None,
-                       tracing: traced.StreamTracing | None = None) -> AsyncIterator[pb.ModelStreamInferResponse]:
+                       tracing: traced.StreamTracing | None = None,
+                       errors_end: bool = False) -> AsyncIterator[pb.ModelStreamInferResponse]:
     """`deadline_ns`: the stream's own gRPC deadline, which bounds every generation on it;
-    `stream_one`: answers a request to a decoupled model, 0..N responses; `tracing`: samples requests."""
+    `stream_one`: answers a request to a decoupled model, 0..N responses; `tracing`: samples requests;
+    `errors_end`: the first error is raised (a FerryError: the caller ends the stream with its status)."""
     out: asyncio.Queue = asyncio.Queue()
     tasks: set[asyncio.Task] = set()
     previous: asyncio.Future | None = None  # the last ordered answer, which the next one waits for
@@ -49,8 +53,8 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
         try:
             async for request in requests:
                 turn = asyncio.get_running_loop().create_future()
-                task = asyncio.create_task(_serve(registry, request, (infer_one, stream_one), out, previous, turn,
-                                                       deadline_ns, tracing))
+                task = asyncio.create_task(_serve(registry, request, (infer_one, stream_one, errors_end), out, previous,
+                                                  turn, deadline_ns, tracing))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 previous = turn
@@ -62,6 +66,8 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
     writing = None  # a traced answer being written
     try:
         while (item := await out.get()) is not None:
+            if isinstance(item, FerryError):
+                raise item
             if item.__class__ is not traced.Sending:
                 yield item
                 continue
@@ -86,7 +92,7 @@ async def stream_infer(registry: Registry, requests: AsyncIterator[pb.ModelInfer
 
 async def _serve(registry, request, answer, out, previous, turn, deadline_ns, tracing) -> None:
     arrival = time.monotonic_ns()
-    infer_one, stream_one = answer
+    infer_one, stream_one, errors_end = answer
     trace = None
     try:
         if isinstance(request, Undecodable):  # a message that did not parse: answered here, the stream goes on
@@ -107,8 +113,7 @@ async def _serve(registry, request, answer, out, previous, turn, deadline_ns, tr
         response = pb.ModelStreamInferResponse(infer_response=_final(await infer_one(request, arrival, trace), True))
     except Exception as exc:  # noqa: BLE001 - one request's failure is reported on the stream, which goes on
         message = capped(exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}")
-        failed = _final(pb.ModelInferResponse(id=request.id, model_name=request.model_name), True)
-        response = pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+        response = _failed(request, exc, message, errors_end)
         if trace is not None:
             traced.failed(trace, message)
     except BaseException:  # cancelled: the stream is over
@@ -125,9 +130,18 @@ async def _serve(registry, request, answer, out, previous, turn, deadline_ns, tr
         turn.set_result(None)
 
 
-def _put(out: asyncio.Queue, response: pb.ModelStreamInferResponse | None, trace, last: bool) -> None:
+def _failed(request: pb.ModelInferRequest, exc: Exception, message: str, errors_end: bool):
+    """A request's error on the stream; with `errors_end`, the error that ends the stream (after the
+    responses before it, in their order)."""
+    if errors_end:
+        return exc if isinstance(exc, FerryError) else BackendError(message)
+    failed = _final(pb.ModelInferResponse(id=request.id, model_name=request.model_name), True)
+    return pb.ModelStreamInferResponse(error_message=message, infer_response=failed)
+
+
+def _put(out: asyncio.Queue, response: pb.ModelStreamInferResponse | FerryError | None, trace, last: bool) -> None:
     """A response for the writer; a traced request's wrapped, so the writer marks its send."""
-    if trace is None:
+    if trace is None or isinstance(response, FerryError):
         out.put_nowait(response)
     else:
         out.put_nowait(traced.Sending(response, trace, last))

@@ -32,6 +32,8 @@ STATUS = {
     errors.RegionNotFoundError: 404,
     errors.AlreadyExistsError: 409,
     errors.DisabledError: 403,
+    errors.UnknownError: 400,  # Triton's HTTP status for UNKNOWN and CANCELLED
+    errors.RequestCancelledError: 400,
 }
 # OpenAI's `error.type` for each status, as its SDK raises them (BadRequestError, NotFoundError, ...).
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

@@ -76,8 +76,8 @@ def decode_infer(header: dict, binary: memoryview, regions: SharedMemoryRegistry
                  limit: int | None = None) -> DecodedInfer:
     """`limit`: the most bytes the inputs sent as JSON `data` may decode to (None: no limit)."""
     given = header.get("inputs")
-    if not isinstance(given, list) or not given:
-        raise InvalidInputError("the inference request needs 'inputs': a non-empty list of tensors")
+    if not isinstance(given, list):  # empty for a model whose inputs are all optional (or that has none), as Triton
+        raise InvalidInputError("the inference request needs 'inputs': a list of tensors")
     inputs: dict[str, np.ndarray] = {}
     input_regions: list[str] = []
     offset = expanded = 0
