@@ -28,6 +28,7 @@ from server.repository.registry import Registry
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
 from server.doors.http import choices, streaming
+from server.doors.http.response_format import FIELDS as STRUCTURED_FIELDS, structured_of
 from server.doors.http.body import read_body
 from server.doors.http.chat import Templates
 from server.doors.http.errors import message_of, openai_body, openai_error, status_of
@@ -237,7 +238,7 @@ def checked_body(body) -> dict:
     """A request body this API reads: a JSON object of known fields."""
     if not isinstance(body, dict):
         raise InvalidInputError("the request body must be a JSON object")
-    unknown = set(body) - set(_SAMPLING) - _IGNORED
+    unknown = set(body) - set(_SAMPLING) - _IGNORED - STRUCTURED_FIELDS
     if unknown:
         raise InvalidInputError(f"unsupported fields {sorted(unknown)[:10]}")
     return body
@@ -290,4 +291,5 @@ def sampling_of(body: dict, logprobs=None) -> dict:
             sampling[key] = body[field]
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    sampling.update(structured_of(body))
     return sampling
