@@ -334,8 +334,9 @@ class GenerationRunner(RunnerBase):
         self.gen_stats.set_state(len(s.running), s.num_waiting, pool.num_used, pool.num_blocks, s.fragmentation(), s.preemptions)
         self.gen_stats.set_prefix_cache(len(pool.cache), pool.cache.stats)
         self.gen_stats.set_shared_prefix_reads(self.backend.shared_prefix_reads)
-        if self.backend.guides is not None:
-            self.gen_stats.set_guided(self.backend.guides.stats)
+        guides = getattr(self.backend, "guides", None)
+        if guides is not None:
+            self.gen_stats.set_guided(guides.stats)
         if s.speculator is not None:
             self.gen_stats.set_speculative(s.speculator.stats)
         self.stats.set_gauges(s.gauges())

@@ -128,13 +128,13 @@ class Guides:
         if len(real) == len(rows):  # one row per sequence: every matcher at once, on llguidance's threads
             for guide, output in rows:
                 guide.follow(output)
-            llguidance.torch.fill_next_token_bitmask_par(
-                self._executor, [(g.matcher, j) for j, (g, _) in enumerate(rows) if not g.broken], mask)
+            self._executor.unsafe_compute_mask_ptr([(g.matcher, j) for j, (g, _) in enumerate(rows) if not g.broken],
+                                                   mask.data_ptr(), mask.shape[1] * 4, mask.shape[0])
         else:  # drafts: row j is the state after the first j drafts, so one after another
             for j, (guide, output) in enumerate(rows):
                 guide.follow(output)
                 if not guide.broken:
-                    llguidance.torch.fill_next_token_bitmask(guide.matcher, mask, j)
+                    guide.matcher.unsafe_compute_mask_ptr(mask[j].data_ptr(), mask.shape[1] * 4)
             for guide, length in real.values():
                 guide.rewind(length)
         for j, (guide, _) in enumerate(rows):
