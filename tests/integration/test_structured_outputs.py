@@ -55,6 +55,8 @@ def env(tmp_path_factory):
     _model(repo, "llama", "llama")
     _model(repo, "qwen2", "qwen2")
     _model(repo, "tiny", "llama", num_kv_blocks=48)  # 192 tokens of KV: three long streams preempt
+    # llama's weights (same family and seed), drafting from n-grams of its prompt and output
+    _model(repo, "spec", "llama", speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
     server = RunningServer(repo)
     client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", timeout=120, max_retries=0)
     yield server, client
@@ -242,3 +244,19 @@ def test_constraints_that_cannot_compile_are_400_and_run_nothing(env, extra, nam
             else client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=5, extra_body=extra)
     assert named in str(caught.value)
     assert (server.metric("ferry_generation_step_tokens_count", model="qwen2") or 0.0) == before
+
+
+def test_speculative_drafts_under_a_constraint_change_nothing(env):
+    """Drafted rows get the mask of the state after the drafts before them; the answer equals the same
+    model's without drafts, token for token."""
+    server, client = env
+    schema = {"type": "object", "properties": {"items": {"type": "array", "items": {"enum": ["ab", "ba", "abab"]},
+                                                         "minItems": 12, "maxItems": 12}},
+              "required": ["items"], "additionalProperties": False}
+    kwargs = dict(prompt='{"items": ["ab", "ba", "ab", "ba", "abab", "ab", "ba"]}', temperature=0, max_tokens=80, logprobs=0,
+                  extra_body={"guided_json": schema})
+    plain = client.completions.create(model="llama", **kwargs).choices[0]
+    drafted = client.completions.create(model="spec", **kwargs).choices[0]
+    assert server.metric("ferry_spec_decode_num_accepted_tokens_total", model="spec") > 0
+    assert drafted.logprobs.tokens == plain.logprobs.tokens and drafted.text == plain.text
+    valid(plain.text, schema)

@@ -68,7 +68,7 @@ class Guide:
         if length < self.consumed:
             self.matcher.rollback(self.consumed - length)
             self.consumed = length
-            self.broken = False  # what it refused came after `length`
+        self.broken = False  # what it refused was a draft, after `length`
 
 
 class Guides:
@@ -125,21 +125,25 @@ class Guides:
         real: dict[int, tuple[Guide, int]] = {}  # a drafted sequence's rows: its first row is its real output
         for guide, output in rows:
             real.setdefault(id(guide), (guide, len(output)))
+        broken = []
         if len(real) == len(rows):  # one row per sequence: every matcher at once, on llguidance's threads
-            for guide, output in rows:
+            for j, (guide, output) in enumerate(rows):
                 guide.follow(output)
+                if guide.broken:
+                    broken.append(j)
             self._executor.unsafe_compute_mask_ptr([(g.matcher, j) for j, (g, _) in enumerate(rows) if not g.broken],
                                                    mask.data_ptr(), mask.shape[1] * 4, mask.shape[0])
         else:  # drafts: row j is the state after the first j drafts, so one after another
             for j, (guide, output) in enumerate(rows):
                 guide.follow(output)
-                if not guide.broken:
+                if guide.broken:
+                    broken.append(j)
+                else:
                     guide.matcher.unsafe_compute_mask_ptr(mask[j].data_ptr(), mask.shape[1] * 4)
             for guide, length in real.values():
                 guide.rewind(length)
-        for j, (guide, _) in enumerate(rows):
-            if guide.broken:
-                mask[j] = _only(self.eos_ids, mask.shape[1])
+        for j in broken:  # a token it could not take: nothing but the end is left to choose
+            mask[j] = _only(self.eos_ids, mask.shape[1])
         return mask
 
     def close(self) -> None:
