@@ -260,3 +260,52 @@ def test_speculative_drafts_under_a_constraint_change_nothing(env):
     assert server.metric("ferry_spec_decode_num_accepted_tokens_total", model="spec") > 0
     assert drafted.logprobs.tokens == plain.logprobs.tokens and drafted.text == plain.text
     valid(plain.text, schema)
+
+
+def _generate(server, **sampling):
+    from protos import generate_pb2 as gen, generate_pb2_grpc as gen_grpc
+
+    request = gen.GenerateRequest(model_name="llama", text="a person:", sampling=gen.SamplingParams(**sampling))
+    return list(gen_grpc.GenerationStub(server.channel).Generate(request, timeout=120))
+
+
+def test_grpc_generate_takes_the_same_constraints(env):
+    server, client = env
+    responses = _generate(server, max_tokens=MAX, temperature=1.0, seed=4, json_schema=json.dumps(SCHEMA))
+    assert responses[-1].finish_reason == "eos"
+    text = "".join(r.text for r in responses)
+    valid(text)
+    same = client.completions.create(model="llama", prompt="a person:", temperature=1.0, seed=4, max_tokens=MAX,
+                                     extra_body={"guided_json": SCHEMA})
+    assert same.choices[0].text == text
+    picked = "".join(r.text for r in _generate(server, max_tokens=20, temperature=1.0, seed=2, choice=["north", "south"]))
+    assert picked in ("north", "south")
+    code = "".join(r.text for r in _generate(server, max_tokens=20, temperature=1.0, seed=2, regex=r"[0-9]{4}"))
+    assert re.fullmatch(r"[0-9]{4}", code)
+    assert "".join(r.text for r in _generate(server, max_tokens=8, temperature=0, json_object=True)).startswith("{")
+    import grpc
+
+    with pytest.raises(grpc.RpcError) as caught:
+        _generate(server, max_tokens=5, regex="a(")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        _generate(server, max_tokens=5, regex="a", choice=["a"])
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_triton_generate_endpoint_takes_constraints_as_parameters(env):
+    server, _ = env
+    import httpx
+
+    url = f"{server.http_url}/v2/models/llama/generate"
+    body = {"text_input": "a person:", "exclude_input_in_output": True, "parameters": {"max_tokens": MAX, "temperature": 1.0, "seed": 6,
+                                                      "guided_json": json.dumps(SCHEMA)}}
+    answer = httpx.post(url, json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    valid(answer.json()["text_output"])
+    body = {"text_input": "yes or no:", "exclude_input_in_output": True, "sampling_parameters": json.dumps({"structured_outputs": {"choice": ["yes", "no"]},
+                                                                            "temperature": "1.0", "seed": "3"})}
+    answer = httpx.post(url, json=body, timeout=120)
+    assert answer.status_code == 200 and answer.json()["text_output"] in ("yes", "no"), answer.text
+    bad = httpx.post(url, json={"text_input": "x", "parameters": {"guided_regex": "a("}}, timeout=120)
+    assert bad.status_code == 400 and "regex" in bad.text

@@ -12,6 +12,8 @@ template, as /v1/chat/completions renders it.
 
 from __future__ import annotations
 
+import json
+
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -168,6 +170,12 @@ def _fill(into: gen.SamplingParams, sampling: SamplingParams, max_tokens: int) -
         into.seed = sampling.seed
     if sampling.logprobs is not None:
         into.logprobs = sampling.logprobs
+    constraint = sampling.constraint
+    if constraint is not None:
+        if constraint.kind == "choice":
+            into.choice.extend(json.loads(constraint.spec))
+        else:
+            setattr(into, "json_schema" if constraint.kind == "json" else constraint.kind, constraint.spec)
 
 
 def _event(response: gen.GenerateResponse) -> GenerationEvent:
