@@ -108,6 +108,8 @@ async def generate_answer(generator: Generator, model: str, version: str, raw: b
 
 def openai_problem(body: dict, chat: bool) -> str | None:
     messages = body.get("messages") if chat else None
+    if chat and body.get("tools") is not None:
+        return "tool calling ('tools') needs the HTTP door: gRPC Generate carries no tools (send it with --url http://...)"
     if isinstance(messages, list):
         for i, entry in enumerate(messages):
             extra = sorted(set(entry) - {"role", "content"}) if isinstance(entry, dict) else []
