@@ -228,13 +228,13 @@ def test_preempted_constrained_streams_stay_valid_and_equal_unpreempted_runs(env
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, "objectx"),
-    ({"guided_regex": "a(b"}, "regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}}, "cannot be compiled: Invalid type: objectx"),
+    ({"guided_regex": "a(b"}, "the regex constraint cannot be compiled"),
     ({"guided_grammar": "start: nothing_defined"}, "nothing_defined"),
-    ({"guided_json": "{not json"}, "not valid JSON"),
-    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "'guided_json' is not valid JSON"),
+    ({"guided_choice": []}, "'guided_choice' must be a non-empty list"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "one structured-output constraint"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "yaml"}}, "'response_format.type' must be"),
 ])
 def test_constraints_that_cannot_compile_are_400_and_run_nothing(env, extra, named):
     server, client = env

@@ -200,11 +200,11 @@ def test_a_tool_result_round_trips_through_the_template(env):
 
 
 @pytest.mark.parametrize("extra, named", [
-    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "nope"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "names function 'nope'"),
     (dict(tool_choice="required"), "'tool_choice' needs 'tools'"),
-    (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice"),
-    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0]"),
-    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (dict(tools=TOOLS, tool_choice="sometimes"), "'tool_choice' must be"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0] must be"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "drop 'response_format'"),
 ])
 def test_bad_tool_requests_are_400(env, extra, named):
     _, client = env
