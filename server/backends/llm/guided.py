@@ -1,7 +1,7 @@
 """Structured output: constraints compiled to token masks by llguidance, one matcher per sequence.
 
-Why llguidance (docs/generation.md says more): a pip wheel of Rust code with no torch dependency, so
-it installs beside the pinned torch on any machine; it reads the model's own tokenizer.json; its
+Why llguidance (docs/generation.md says more): a pip wheel of Rust code that requires nothing else
+(xgrammar requires torch, transformers and triton); it reads the model's own tokenizer.json; its
 masks are computed lazily from the lexer and parser state (no vocabulary-wide precompile per
 schema), which keeps the first request of a new schema cheap; and a matcher can be deep-copied, so a
 schema is compiled once and each sequence starts from a copy of the compiled template.
@@ -152,8 +152,10 @@ class Guides:
 
 def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
     """`logits` with every token a row's mask leaves out at -inf, for the given rows ([S, vocab])."""
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    allowed = ((mask.unsqueeze(-1) >> _BITS) & 1).flatten(1)[:, :logits.shape[-1]].to(logits.device, torch.bool)
+    device = logits.device
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    mask = mask.to(device)  # the packed bits cross to an accelerator, 32 tokens a word; unpacked there
+    allowed = ((mask.unsqueeze(-1) >> _BITS.to(device)) & 1).flatten(1)[:, :logits.shape[-1]].bool()
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
