@@ -184,7 +184,9 @@ def run(args, address: str, metrics: str) -> dict:
             runs[name].append(asyncio.run(burst(address, prompts, args.tokens, constrained)))
             if name == "mixed":
                 waits.append(mask_wait_ms(metrics) - before)
-    return {name: generation.median_row(rows) for name, rows in runs.items()} | {"mask_wait_ms": float(np.median(waits))}
+    paired = [(m["output_tok_s"] / f["output_tok_s"], m["itl_p99_ms"] / f["itl_p99_ms"]) for f, m in zip(runs["free"], runs["mixed"])]
+    return {name: generation.median_row(rows) for name, rows in runs.items()} | {
+        "mask_wait_ms": float(np.median(waits)), "paired": paired}
 
 
 def report(args, vocab: int, rows: dict, compiles: dict) -> str:
@@ -202,7 +204,11 @@ def report(args, vocab: int, rows: dict, compiles: dict) -> str:
     lines += ["", f"mixed / free: tokens/s **{mixed['output_tok_s'] / free['output_tok_s']:.2f}x** (goal >= 0.9), "
               f"inter-token p99 **{mixed['itl_p99_ms'] / free['itl_p99_ms']:.2f}x** (goal <= 1.2); steps waited "
               f"{rows['mask_wait_ms']:.0f} ms in all for masks after their forward pass in a mixed burst "
-              f"(of {mixed['wall_s']:.1f} s).", "", "| schema | first use: compile + first mask, ms | cached: copy + first mask, ms (median of 5) |", "|---|---|---|"]
+              f"(of {mixed['wall_s']:.1f} s). Round by round (the two bursts of a round ran back to back, so a busy "
+              "spell of the shared machine hits both): tokens/s "
+              + "/".join(f"{t:.2f}" for t, _ in rows["paired"]) + f" (median **{np.median([t for t, _ in rows['paired']]):.2f}x**), "
+              "inter-token p99 " + "/".join(f"{p:.2f}" for _, p in rows["paired"])
+              + f" (median **{np.median([p for _, p in rows['paired']]):.2f}x**).", "", "| schema | first use: compile + first mask, ms | cached: copy + first mask, ms (median of 5) |", "|---|---|---|"]
     lines += [f"| {name} | {first:.1f} | {cached:.2f} |" for name, (first, cached) in compiles.items()]
     return "\n".join(lines)
 
