@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -148,6 +147,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--record", action="store_true", help="append the results to bench/RESULTS.md")
     args = parser.parse_args()
+    load = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="ferry-structured-"))
     try:
         folder = work / "repo" / "bench" / "1"
@@ -164,11 +164,10 @@ def main() -> None:
             proc.wait(30)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    text = report(args, vocab, rows, compiles)
+    text = report(args, vocab, rows, compiles) + common.load_note(load, "The two bursts of a round ran one after the other.")
     print(text)
     if args.record:
-        with open(common.ROOT / "bench" / "RESULTS.md", "a") as f:
-            f.write("\n" + text + "\n")
+        common.append_results("Structured outputs, a burst half of it JSON-schema constrained (bench/structured.py)", text)
 
 
 def run(args, address: str, metrics: str) -> dict:
@@ -191,9 +190,7 @@ def run(args, address: str, metrics: str) -> dict:
 
 def report(args, vocab: int, rows: dict, compiles: dict) -> str:
     free, mixed = rows["free"], rows["mixed"]
-    lines = [f"## Structured outputs: a {args.requests}-request burst, half with a JSON schema "
-             f"({time.strftime('%Y-%m-%d')}, {platform.machine()}, {os.cpu_count()} CPUs)", "",
-             f"`python -m bench.structured --requests {args.requests} --tokens {args.tokens} --rounds {args.rounds} "
+    lines = [f"`python -m bench.structured --requests {args.requests} --tokens {args.tokens} --rounds {args.rounds} "
              f"--vocab {args.vocab}`: random 20M Llama, byte-level BPE of {vocab} tokens, {args.tokens} output tokens "
              "a request, temperature 1; medians over rounds (each round's figure after the slash list).", "",
              "| burst | tokens/s | inter-token p50 ms | inter-token p99 ms | runs tok/s | runs p99 ms |",
