@@ -21,7 +21,7 @@ from typing import AsyncIterator
 import grpc
 
 from protos import generate_pb2 as gen
-from server.errors import InvalidInputError
+from server.errors import InvalidInputError, UnsupportedError
 from server.runners.generation import GenerationEvent, GenerationInput, Logprob, TokenLogprobs
 from server.runners.sampling import sampling_params
 from server.scheduling.sequence import SamplingParams
@@ -74,6 +74,8 @@ async def openai_answer(generator: Generator, raw: bytes, chat: bool) -> dict:
     wanted = choices.counts(body, completions=not chat)
     model = openai_api.model_of(body)
     message = gen.GenerateRequest(model_name=model)
+    if chat and body.get("tools") is not None:
+        raise UnsupportedError("tool calling ('tools') needs the HTTP door: gRPC Generate carries no tools")
     if chat:
         logprobs = openai_api.chat_logprobs(body)
         for entry in checked_messages(body.get("messages")):

@@ -55,7 +55,7 @@ class ToolPlan:
             return (None, [ToolCall(self.name, json.dumps(json.loads(text)))]) if _is_json(text) else (text, [])
         if self.mode == "required":
             value = json.loads(text) if _is_json(text) else None
-            if not isinstance(value, list):
+            if not isinstance(value, list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
                 return text, []
             return None, [ToolCall(v["name"], json.dumps(v.get("parameters", {}))) for v in value]
         content, calls = tool_parsers.parse(self.parser, text)
