@@ -75,3 +75,12 @@ def test_what_cannot_compile_is_invalid_input(guides, constraint, named):
     g, _ = guides
     with pytest.raises(InvalidInputError, match=named):
         g.start(constraint)
+
+
+def test_apply_masks_the_given_rows_only_bit_by_bit():
+    vocab = 330  # not a multiple of 32: the last word's spare bits are never read
+    mask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    masked = guided.apply(torch.zeros(5, vocab), [0, 2, 4], mask)
+    expected = [[bool((int(mask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
+    assert torch.isfinite(masked[[0, 2, 4]]).tolist() == expected
+    assert torch.isfinite(masked[[1, 3]]).all()

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -152,10 +153,13 @@ class Guides:
 
 def apply(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> torch.Tensor:
     """`logits` with every token a row's mask leaves out at -inf, for the given rows ([S, vocab])."""
-    device = logits.device
+    device, vocab = logits.device, logits.shape[-1]
     index = torch.tensor(rows, dtype=torch.long, device=device)
-    mask = mask.to(device)  # the packed bits cross to an accelerator, 32 tokens a word; unpacked there
-    allowed = ((mask.unsqueeze(-1) >> _BITS.to(device)) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+    if device.type == "cpu":  # numpy's unpackbits: one C pass (the shift-and-and below is ~30x slower on a CPU)
+        allowed = torch.from_numpy(np.unpackbits(mask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]).bool()
+    else:  # the packed bits cross to the accelerator, 32 tokens a word, and are unpacked there
+        mask = mask.to(device)
+        allowed = ((mask.unsqueeze(-1) >> _BITS.to(device)) & 1).flatten(1)[:, :vocab].bool()
     logits = logits.clone()
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
