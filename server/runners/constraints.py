@@ -30,7 +30,8 @@ def constraint_of(given: Mapping[str, Any]) -> Constraint | None:
     if outputs is not None:
         if not isinstance(outputs, Mapping):
             raise InvalidInputError(f"'structured_outputs' must be an object with one of {list(_FIELDS)}, got {outputs!r}")
-        unknown = set(outputs) - set(_FIELDS) - {"disable_any_whitespace", "disable_fallback", "whitespace_pattern"}
+        # vLLM's switches that change nothing here: JSON is always compact, and there is one engine (no fallback)
+        unknown = set(outputs) - set(_FIELDS) - {"disable_any_whitespace", "disable_fallback"}
         if unknown:
             raise InvalidInputError(f"unsupported 'structured_outputs' fields {sorted(unknown)}; supported: {list(_FIELDS)}")
         found += [(f, outputs[f], f"structured_outputs.{f}") for f in _FIELDS
