@@ -211,3 +211,42 @@ def test_bad_tool_requests_are_400(env, extra, named):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=5, **extra)
     assert named in str(caught.value)
+
+
+def test_fuzzed_tool_and_format_fields_get_200_or_400_never_500(env):
+    """Any JSON in the new fields (tools, tool_choice, parallel_tool_calls, response_format, guided_*,
+    structured_outputs, tool messages) is answered or refused with a 400, and the server keeps serving."""
+    import httpx
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    server, client = env
+    leaf = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=6),
+                     st.sampled_from(["function", "get_time", "auto", "required", "none", "json_object", "json_schema",
+                                      "object", "a(", "[a-c]{2}", '{"type": "object"}']))
+    value = st.recursive(leaf, lambda inner: st.one_of(st.lists(inner, max_size=3),
+                                                       st.dictionaries(st.sampled_from(
+                                                           ["type", "function", "name", "parameters", "schema",
+                                                            "json_schema", "json", "regex", "choice", "arguments"]),
+                                                           inner, max_size=3)), max_leaves=8)
+    fields = st.dictionaries(st.sampled_from(["tools", "tool_choice", "parallel_tool_calls", "response_format",
+                                              "guided_json", "guided_regex", "guided_choice", "structured_outputs"]),
+                             st.one_of(value, st.just(TOOLS)), max_size=3)
+    extra_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["tool", "assistant"]),
+                                                     "content": st.one_of(st.none(), st.text(max_size=5)),
+                                                     "tool_calls": value, "tool_call_id": value}), max_size=2)
+    statuses = []
+    with httpx.Client(base_url=server.http_url, timeout=60) as http:
+        @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(fields, extra_messages)
+        def check(extra, messages):
+            body = {"model": "qwen2", "messages": MESSAGES + messages, "max_tokens": 2, **extra}
+            answer = http.post("/v1/chat/completions", json=body)
+            statuses.append(answer.status_code)
+            assert answer.status_code in (200, 400), (body, answer.text)
+
+        check()
+    assert 200 in statuses and 400 in statuses
+    assert client.chat.completions.create(model="qwen2", messages=MESSAGES, max_tokens=2).choices[0].message.content is not None
+    assert "Traceback" not in server.output

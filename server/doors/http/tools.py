@@ -75,8 +75,9 @@ def plan_of(body: dict, parser: str) -> ToolPlan | None:
     schemas = _schemas(tools)
     name = None
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
-        if name not in schemas:
+        function = choice.get("function")
+        name = function.get("name") if choice.get("type") == "function" and isinstance(function, dict) else None
+        if not isinstance(name, str) or name not in schemas:
             raise InvalidInputError(f"'tool_choice' names function {name!r}, which is not among 'tools' {sorted(schemas)}")
         mode = "named"
     elif choice in (None, "auto", "none", "required"):
@@ -97,7 +98,7 @@ def _schemas(tools) -> dict[str, dict]:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidInputError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
-                                    "\"parameters\": {...}}}}")
+                                    "\"parameters\": {...}}}")
         parameters = function.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
             raise InvalidInputError(f"tools[{i}].function.parameters must be a JSON schema object")
@@ -110,7 +111,7 @@ def template_messages(messages: list[dict]) -> list[dict]:
     them as JSON text)."""
     out = []
     for message in messages:
-        calls = message.get("tool_calls")
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
         if isinstance(calls, list):
             message = {**message, "tool_calls": [_readable(call) for call in calls]}
         out.append(message)
