@@ -202,6 +202,8 @@ def test_a_tool_result_round_trips_through_the_template(env):
 @pytest.mark.parametrize("extra, named", [
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "names function 'nope'"),
     (dict(tool_choice="required"), "'tool_choice' needs 'tools'"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": "get_time"}), "names function None"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": ["get_time"]}}), "names function ['get_time']"),
     (dict(tools=TOOLS, tool_choice="sometimes"), "'tool_choice' must be"),
     (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0] must be"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "drop 'response_format'"),
@@ -229,15 +231,21 @@ def test_fuzzed_tool_and_format_fields_get_200_or_400_never_500(env):
                                                            ["type", "function", "name", "parameters", "schema",
                                                             "json_schema", "json", "regex", "choice", "arguments"]),
                                                            inner, max_size=3)), max_leaves=8)
-    fields = st.dictionaries(st.sampled_from(["tools", "tool_choice", "parallel_tool_calls", "response_format",
-                                              "guided_json", "guided_regex", "guided_choice", "structured_outputs"]),
-                             st.one_of(value, st.just(TOOLS)), max_size=3)
+    shaped = {  # each field also in the shape it should have, with anything inside
+        "tools": st.one_of(value, st.just(TOOLS), st.lists(st.fixed_dictionaries({"type": st.just("function"),
+                                                                                  "function": value}), max_size=2)),
+        "tool_choice": st.one_of(value, st.fixed_dictionaries({"type": st.just("function"), "function": value})),
+        "response_format": st.one_of(value, st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": value})),
+    }
+    fields = st.fixed_dictionaries({}, optional={key: shaped.get(key, value) for key in (
+        "tools", "tool_choice", "parallel_tool_calls", "response_format", "guided_json", "guided_regex", "guided_choice",
+        "structured_outputs")})
     extra_messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["tool", "assistant"]),
                                                      "content": st.one_of(st.none(), st.text(max_size=5)),
                                                      "tool_calls": value, "tool_call_id": value}), max_size=2)
     statuses = []
     with httpx.Client(base_url=server.http_url, timeout=60) as http:
-        @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+        @settings(max_examples=100, deadline=None, derandomize=True, database=None,
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
         @given(fields, extra_messages)
         def check(extra, messages):
