@@ -309,3 +309,16 @@ def test_triton_generate_endpoint_takes_constraints_as_parameters(env):
     assert answer.status_code == 200 and answer.json()["text_output"] in ("yes", "no"), answer.text
     bad = httpx.post(url, json={"text_input": "x", "parameters": {"guided_regex": "a("}}, timeout=120)
     assert bad.status_code == 400 and "regex" in bad.text
+
+
+def test_ignore_eos_and_min_tokens_past_a_complete_output(env):
+    """Once the output is complete only eos is allowed: ignore_eos goes on with eos (no text) to max_tokens,
+    min_tokens past the end cannot be met by the grammar; neither fails the request, nor its neighbours."""
+    _, client = env
+    kwargs = dict(model="llama", prompt="x", temperature=0, max_tokens=30, extra_body={"guided_choice": ["yes", "no"]})
+    alone = client.completions.create(**kwargs).choices[0].text
+    answer = client.completions.create(n=2, **{**kwargs, "extra_body": {**kwargs["extra_body"], "ignore_eos": True}})
+    assert [c.text for c in answer.choices] == [alone, alone] and answer.usage.completion_tokens == 60
+    assert {c.finish_reason for c in answer.choices} == {"length"}
+    held = client.completions.create(**{**kwargs, "extra_body": {**kwargs["extra_body"], "min_tokens": 5}}).choices[0]
+    assert held.text == alone and held.finish_reason == "stop"

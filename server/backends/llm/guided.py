@@ -132,8 +132,9 @@ class Guides:
                 guide.follow(output)
                 if guide.broken:
                     broken.append(j)
-            self._executor.unsafe_compute_mask_ptr([(g.matcher, j) for j, (g, _) in enumerate(rows) if not g.broken],
-                                                   mask.data_ptr(), mask.shape[1] * 4, mask.shape[0])
+            working = [(g.matcher, j) for j, (g, _) in enumerate(rows) if not g.broken]
+            if working:  # (llguidance refuses an empty list)
+                self._executor.unsafe_compute_mask_ptr(working, mask.data_ptr(), mask.shape[1] * 4, mask.shape[0])
         else:  # drafts: row j is the state after the first j drafts, so one after another
             for j, (guide, output) in enumerate(rows):
                 guide.follow(output)
