@@ -60,12 +60,16 @@ def test_drafted_rows_get_the_masks_of_their_states(guides):
     assert allowed(g._fill([(drafted, ids[:3])])[0], g.vocab_size) == one_by_one[3]  # not left broken
 
 
-def test_many_sequences_at_once_equal_each_alone(guides):
+@pytest.mark.parametrize("parallel_rows", [0, 2])  # one thread, and llguidance's threads
+def test_many_sequences_at_once_equal_each_alone(guides, parallel_rows):
     g, tok = guides
+    g.parallel_rows = parallel_rows
     ids = tok.encode('{"a":"yx"}').ids
     alone = [allowed(g._fill([(g.start(SCHEMA), ids[:n])])[0], g.vocab_size) for n in range(5)]
-    together = g._fill([(g.start(SCHEMA), ids[:n]) for n in range(5)])
-    assert [allowed(m, g.vocab_size) for m in together] == alone
+    broken = g.start(SCHEMA)
+    broken.follow([tok.token_to_id("z")])  # refused: eos only
+    together = g._fill([(g.start(SCHEMA), ids[:n]) for n in range(5)] + [(broken, [tok.token_to_id("z")])])
+    assert [allowed(m, g.vocab_size) for m in together] == alone + [{1}]
 
 
 @pytest.mark.parametrize("constraint, named", [(Constraint("json", '{"type": "objectx"}'), "objectx"),

@@ -17,6 +17,7 @@ constrained rows wait for their mask only if it takes longer than the forward pa
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -81,6 +82,10 @@ class Guides:
         self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=self.eos_ids or None)
         self._compiled: OrderedDict[Constraint, llguidance.LLMatcher] = OrderedDict()
         self._executor = llguidance.LLExecutor()
+        # Rows from which llguidance's own threads compute a step's masks (0: never). On a small machine
+        # they only compete with torch's threads for the same cores: one thread is quicker there
+        # (bench/RESULTS.md, structured outputs notes).
+        self.parallel_rows = 16 if (os.cpu_count() or 1) >= 8 else 0
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="ferry-guided-mask")
         self.stats = GuidedStats()
 
@@ -126,24 +131,21 @@ class Guides:
         real: dict[int, tuple[Guide, int]] = {}  # a drafted sequence's rows: its first row is its real output
         for guide, output in rows:
             real.setdefault(id(guide), (guide, len(output)))
+        # Many sequences (one row each) at once on llguidance's threads; else one after another here, as
+        # drafted rows must be (row j is the state after the first j drafts).
+        parallel = 0 < self.parallel_rows <= len(rows) == len(real)
         broken = []
-        if len(real) == len(rows):  # one row per sequence: every matcher at once, on llguidance's threads
-            for j, (guide, output) in enumerate(rows):
-                guide.follow(output)
-                if guide.broken:
-                    broken.append(j)
-            working = [(g.matcher, j) for j, (g, _) in enumerate(rows) if not g.broken]
-            if working:  # (llguidance refuses an empty list)
-                self._executor.unsafe_compute_mask_ptr(working, mask.data_ptr(), mask.shape[1] * 4, mask.shape[0])
-        else:  # drafts: row j is the state after the first j drafts, so one after another
-            for j, (guide, output) in enumerate(rows):
-                guide.follow(output)
-                if guide.broken:
-                    broken.append(j)
-                else:
-                    guide.matcher.unsafe_compute_mask_ptr(mask[j].data_ptr(), mask.shape[1] * 4)
-            for guide, length in real.values():
-                guide.rewind(length)
+        for j, (guide, output) in enumerate(rows):
+            guide.follow(output)
+            if guide.broken:
+                broken.append(j)
+            elif not parallel:
+                guide.matcher.unsafe_compute_mask_ptr(mask[j].data_ptr(), mask.shape[1] * 4)
+        working = [(g.matcher, j) for j, (g, _) in enumerate(rows) if not g.broken] if parallel else []
+        if working:  # (llguidance refuses an empty list)
+            self._executor.unsafe_compute_mask_ptr(working, mask.data_ptr(), mask.shape[1] * 4, mask.shape[0])
+        for guide, length in real.values():
+            guide.rewind(length)  # drafts' tentative tokens undone (nothing to undo for the others)
         for j in broken:  # a token it could not take: nothing but the end is left to choose
             mask[j] = _only(self.eos_ids, mask.shape[1])
         return mask
