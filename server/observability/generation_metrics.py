@@ -20,6 +20,9 @@ _STEP_TOKEN_BUCKETS = tuple(2**i for i in range(13))  # 1 .. 4096 tokens
 _SPEC_COUNTERS = {"spec_drafts": "drafts", "spec_draft_tokens": "draft_tokens", "spec_accepted_tokens": "accepted_tokens"}
 # PrefixCacheStats counter -> the vLLM counter of the same tokens
 _VLLM_PREFIX = {"prefix_query_tokens": "prefix_queries", "prefix_hit_tokens": "prefix_hits"}
+# counter name -> guided.GuidedStats field (backends/llm/guided.py)
+_GUIDED_COUNTERS = {"guided_rows": "rows", "guided_mixed_steps": "mixed_steps", "guided_compiles": "compiles",
+                    "guided_compile_us": "compile_us", "guided_mask_wait_us": "mask_wait_us"}
 _TOKEN_BUCKETS_US = (1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
 
 
@@ -65,6 +68,17 @@ class GenerationFamilies:
         self.spec_accepted_tokens = Counter("ferry_spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens "
                                             "the model agreed with (kept)", _LABELS, registry=registry)
         self.spec_acceptance_rate = gauge("ferry_spec_decode_acceptance_rate", "Accepted / drafted tokens since the model loaded")
+        self.guided_rows = Counter("ferry_structured_output_tokens", "Tokens chosen under a structured-output "
+                                   "constraint (a grammar mask)", _LABELS, registry=registry)
+        self.guided_mixed_steps = Counter("ferry_structured_output_mixed_steps", "Steps that chose tokens for "
+                                          "constrained and unconstrained sequences together", _LABELS, registry=registry)
+        self.guided_compiles = Counter("ferry_structured_output_compiles", "Constraints compiled (a cached one "
+                                       "compiles nothing)", _LABELS, registry=registry)
+        self.guided_compile_us = Counter("ferry_structured_output_compile_us", "Time spent compiling constraints",
+                                         _LABELS, registry=registry)
+        self.guided_mask_wait_us = Counter("ferry_structured_output_mask_wait_us", "Time steps waited for grammar "
+                                           "masks after their forward pass (masks are computed during it)",
+                                           _LABELS, registry=registry)
         self.queue_us = histogram("ferry_generation_queue_duration_us", "Arrival to first scheduled step")
         self.ttft_us = histogram("ferry_time_to_first_token_us", "Arrival to first generated token")
         self.itl_us = histogram("ferry_inter_token_latency_us", "Time between consecutive tokens of a sequence")
@@ -90,10 +104,11 @@ class GenerationStats:
                 "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
                 "queue_us", "ttft_us", "itl_us", "e2e_us", "step_us", "step_tokens", "kv_cached", *_PREFIX_COUNTERS,
                 "prefix_hit_rate_tokens", "prefix_hit_rate_blocks", *_SPEC_COUNTERS, "spec_acceptance_rate",
-                "shared_prefix_reads", "prompt_tokens", "generation_tokens")}
+                "shared_prefix_reads", "prompt_tokens", "generation_tokens", *_GUIDED_COUNTERS)}
         self._prefix_seen = dict.fromkeys(_PREFIX_COUNTERS, 0)
         self._spec_seen = dict.fromkeys(_SPEC_COUNTERS, 0)
         self._shared_reads_seen = 0
+        self._guided_seen = dict.fromkeys(_GUIDED_COUNTERS, 0.0)
 
     def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int, fragmentation: float, preemptions: int) -> None:
         added, self.preemptions = preemptions - self.preemptions, preemptions
@@ -133,6 +148,16 @@ class GenerationStats:
                 self._spec_seen[name] = total
         if stats.draft_tokens:
             self._c["spec_acceptance_rate"].set(stats.accepted_tokens / stats.draft_tokens)
+
+    def set_guided(self, stats) -> None:
+        """`stats`: the engine's GuidedStats (running totals); counters advance by what is new."""
+        if not self._c:
+            return
+        for name, field in _GUIDED_COUNTERS.items():
+            total = getattr(stats, field)
+            if total > self._guided_seen[name]:
+                self._c[name].inc(total - self._guided_seen[name])
+                self._guided_seen[name] = total
 
     def set_shared_prefix_reads(self, total: int) -> None:
         """`total`: the engine's running count of key reads saved by shared-prefix attention."""

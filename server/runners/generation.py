@@ -133,6 +133,8 @@ class GenerationRunner(RunnerBase):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {value!r}")
         prompt = self.backend.encode_prompt(text if given.token_ids is None else None, given.token_ids)
+        if sampling.constraint is not None:  # compiled (and cached) now: a schema it cannot take is a 400 before any work
+            self.backend.start_guide(sampling.constraint)
         if given.sampling.get("max_tokens"):  # only an explicit max_tokens: the default is cut to fit
             self._check_length(len(prompt), sampling.max_tokens)
         own = given.arrival_ns + given.timeout_us * 1000 if given.timeout_us else None
@@ -168,6 +170,8 @@ class GenerationRunner(RunnerBase):
         stream = _Stream(asyncio.Queue(), IncrementalDetokenizer(self.backend.tokenizer, prompt_ids),
                          StopStrings(request.sampling.stop))
         seq.handle = stream
+        if request.sampling.constraint is not None:
+            seq.guide = self.backend.start_guide(request.sampling.constraint)
         try:
             self.scheduler.submit(seq)
         except FerryError:
@@ -332,6 +336,9 @@ class GenerationRunner(RunnerBase):
         self.gen_stats.set_state(len(s.running), s.num_waiting, pool.num_used, pool.num_blocks, s.fragmentation(), s.preemptions)
         self.gen_stats.set_prefix_cache(len(pool.cache), pool.cache.stats)
         self.gen_stats.set_shared_prefix_reads(self.backend.shared_prefix_reads)
+        guides = getattr(self.backend, "guides", None)
+        if guides is not None:
+            self.gen_stats.set_guided(guides.stats)
         if s.speculator is not None:
             self.gen_stats.set_speculative(s.speculator.stats)
         self.stats.set_gauges(s.gauges())

@@ -12,10 +12,11 @@ import math
 from typing import Any, Mapping
 
 from server.errors import InvalidInputError
+from server.runners import constraints
 from server.scheduling.sequence import SamplingParams
 
 KEYS = frozenset({"max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
-                  "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"})
+                  "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty", "logprobs"}) | constraints.KEYS
 MAX_LOGPROBS = 20  # as vLLM's default max_logprobs and OpenAI's top_logprobs
 # Below this a temperature is greedy: logits / 1e-40 overflow to inf and softmax gives NaN, while
 # anything this cold picks the top token anyway (a gap of 1e-3 in logits is e^100 apart).
@@ -72,6 +73,7 @@ def sampling_params(given: Mapping[str, Any], default_max_tokens: int) -> Sampli
         seed=None if seed is None else _integer(given, "seed", low=-_INT_LIMIT),
         stop=_stop_strings(given.get("stop")), stop_token_ids=_token_ids(given.get("stop_token_ids")),
         ignore_eos=_flag(given, "ignore_eos"), min_tokens=min_tokens, **_penalties(given),
+        constraint=constraints.constraint_of(given),
     )
 
 

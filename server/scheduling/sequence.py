@@ -17,6 +17,16 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class Constraint:
+    """What the output must match (runners/constraints.py builds it; backends/llm/guided.py compiles it).
+    `kind`: json (a JSON schema as canonical JSON text), regex, choice (a JSON list of strings) or
+    grammar (Lark or GBNF text). Hashable, so one compiled grammar serves every request that asks the same."""
+
+    kind: str
+    spec: str
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 0.0  # 0: greedy
@@ -31,6 +41,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0: off; output tokens only (as vLLM and OpenAI)
     frequency_penalty: float = 0.0  # 0: off; output tokens only, per occurrence
     logprobs: int | None = None  # None: none; n: the sampled token's logprob and the top n
+    constraint: Constraint | None = None  # structured output: tokens outside it are masked before sampling
 
     @property
     def greedy(self) -> bool:
@@ -62,6 +73,7 @@ class Sequence:
     admitted: int = 0  # admission order among running sequences; later admitted is preempted first
     cancelled: bool = False
     handle: Any = None  # the engine's per-request channel; opaque to the scheduler
+    guide: Any = None  # the grammar matcher of a constrained sequence (backends/llm/guided.py); only the engine reads it
 
     @property
     def num_tokens(self) -> int:

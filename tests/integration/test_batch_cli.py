@@ -26,6 +26,8 @@ from tests.conftest import ROOT, RunningServer, link_shipped_models, wait_for  #
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+FLAG = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}}, "required": ["ok", "n"],
+        "additionalProperties": False}
 WORDS = "the ferry leaves when it is full or when it is time batching is what this server is about".split()
 
 
@@ -50,6 +52,9 @@ def completion(i: int, **extra) -> dict:
 LINES = [
     *(request(f"chat-{i}", "/v1/chat/completions", chat(i)) for i in range(8)),
     request("chat-logprobs", "/v1/chat/completions", chat(3, logprobs=True, top_logprobs=2, max_completion_tokens=5)),
+    request("chat-json", "/v1/chat/completions", chat(2, response_format={"type": "json_schema", "json_schema": {
+        "name": "flag", "schema": FLAG}}, max_tokens=40, ignore_eos=False)),
+    request("cmpl-choice", "/v1/completions", completion(3, guided_choice=["north", "south"], max_tokens=10, ignore_eos=False)),
     *(request(f"cmpl-{i}", "/v1/completions", completion(i)) for i in range(8)),
     request("cmpl-ids", "/v1/completions", {"model": "llama", "prompt": [5, 17, 42, 99, 7, 3], "max_tokens": 12,
                                             "temperature": 0, "ignore_eos": True, "logprobs": 2}),
@@ -182,7 +187,8 @@ def test_every_output_line_parses_as_openai_batch_output(env):
             parsed = ChatCompletion.model_validate(body)
             assert parsed.choices[0].message.content and parsed.usage.completion_tokens > 0
         elif url == "/v1/completions":
-            assert Completion.model_validate(body).choices[0].finish_reason == "length"
+            expected = "stop" if record["custom_id"] == "cmpl-choice" else "length"  # a choice ends when it is complete
+            assert Completion.model_validate(body).choices[0].finish_reason == expected
     logprobs = ChatCompletion.model_validate(by_id(here)["chat-logprobs"]["response"]["body"]).choices[0].logprobs
     assert len(logprobs.content) == 5 and all(len(t.top_logprobs) == 2 for t in logprobs.content)
 
@@ -209,6 +215,9 @@ def test_grpc_url_sends_every_path_over_grpc_and_answers_as_in_process(env, tmp_
     assert done.returncode == 0, done.stderr
     expected = {cid: same(r["response"]) for cid, r in by_id(here).items()}
     assert {cid: same(r["response"]) for cid, r in by_id(there).items()} == expected
+    answer = by_id(there)["chat-json"]["response"]["body"]["choices"][0]["message"]["content"]
+    assert json.loads(answer)["n"] in (1, 2, 3)  # the schema travelled over gRPC
+    assert by_id(there)["cmpl-choice"]["response"]["body"]["choices"][0]["text"] in ("north", "south")
     chat_body = by_id(there)["chat-2"]["response"]["body"]
     assert chat_body["object"] == "chat.completion" and chat_body["usage"]["completion_tokens"] == 4 + 2 % 6
 
@@ -409,3 +418,21 @@ def test_ray_local_into_a_folder_writes_one_shard_per_block_and_resumes(env, tmp
     assert f"ferry batch: {len(LINES) - 3} requests" in done.stderr
     again = ferry_batch("-i", source, "-o", folder, "--model-repository", repo, "--ray", "local")
     assert again.returncode == 0 and f"{len(LINES)} already in" in again.stderr
+
+
+def test_tool_calls_in_a_batch_file(env, tmp_path):
+    """In process, a line with tools is answered as the HTTP API answers it; over gRPC it is refused
+    before anything runs (Generate carries no tools)."""
+    repo, server, _, _, _ = env
+    tools = [{"type": "function", "function": {"name": "flag", "parameters": FLAG}}]
+    body = chat(1, tools=tools, tool_choice={"type": "function", "function": {"name": "flag"}}, max_tokens=40,
+                ignore_eos=False)
+    source = write_jsonl(tmp_path / "input.jsonl", [request("tool", "/v1/chat/completions", body)])
+    done = ferry_batch("-i", source, "-o", tmp_path / "out.jsonl", "--model-repository", repo)
+    assert done.returncode == 0, done.stderr
+    answered = by_id(tmp_path / "out.jsonl")["tool"]["response"]["body"]
+    call = answered["choices"][0]["message"]["tool_calls"][0]
+    assert call["function"]["name"] == "flag" and set(json.loads(call["function"]["arguments"])) == {"ok", "n"}
+    assert same(answered) == same(http_answer(server, "/v1/chat/completions", body)[1])  # (call ids aside)
+    refused = ferry_batch("-i", source, "-o", tmp_path / "grpc.jsonl", "--url", f"grpc://{server.address}")
+    assert refused.returncode == 2 and "tool calling" in refused.stderr

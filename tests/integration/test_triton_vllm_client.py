@@ -71,3 +71,21 @@ def test_strings_that_are_no_value_of_the_field_are_still_refused(server, bad):
     (field,) = bad
     assert len(errors) == 1 and f"'{field}'" in errors[0] and "internal" not in errors[0].lower(), errors
     assert texts["0"] == ""
+
+
+def test_structured_output_keys_in_sampling_parameters(server):
+    """ModelStreamInfer through Triton's sample client: vLLM's guided_* keys in `sampling_parameters` (and the
+    request's parameters, as the client sends them) constrain the text; a regex it cannot compile is refused."""
+    import re
+
+    regex = r"[a-c]{3}-[0-9]{2}"
+    schema = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+                         "additionalProperties": False})
+    for streaming in (False, True):
+        texts, errors = run_client(server, streaming, True, {"guided_regex": regex, "temperature": "1.0", "seed": "3",
+                                                             "max_tokens": "30"}, PROMPTS[:2])
+        assert errors == [] and all(re.fullmatch(regex, texts[str(i)]) for i in range(2)), texts
+    texts, errors = run_client(server, False, True, {"guided_json": schema, "max_tokens": "30"}, PROMPTS[:1])
+    assert errors == [] and json.loads(texts["0"]) in ({"ok": True}, {"ok": False}), texts
+    texts, errors = run_client(server, False, True, {"guided_regex": "a(", "max_tokens": "5"}, PROMPTS[:1])
+    assert len(errors) == 1 and "regex constraint cannot be compiled" in errors[0] and texts["0"] == "", errors

@@ -15,7 +15,7 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm import cpu_decode, linear, paged_kernel, shared_prefix, torch_thread
+from server.backends.llm import cpu_decode, guided, linear, paged_kernel, shared_prefix, torch_thread
 from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
@@ -23,6 +23,7 @@ from server.backends.llm.sampler import History, TokenLogprobs, choose
 from server.backends.llm.tokenizer import TextTokenizer
 from server.errors import ConfigError, InvalidInputError
 from server.scheduling.continuous import StepPlan
+from server.scheduling.sequence import Constraint
 
 log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -103,6 +104,13 @@ class LLMBackend(Backend):
         self.model.inv_freq = rope_inv_freq(self.args).to(self.torch_device)
         self.tokenizer = TextTokenizer(self.folder)
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.args.eos_token_ids
+        self.guides, self.guides_error = None, ""
+        try:
+            self.guides = guided.Guides(self.tokenizer.tokenizer, self.args.vocab_size, tuple(self.eos_token_ids))
+        except Exception as exc:  # noqa: BLE001 - the model still serves unconstrained requests
+            self.guides_error = f"{type(exc).__name__}: {exc}"
+            log.warning("model '%s': structured output is off, its tokenizer did not load in llguidance (%s)",
+                        self.config.name, self.guides_error)
         self.max_model_len = min(self.settings.max_model_len or self.args.max_position, self.args.max_position)
         self.num_kv_blocks = self._num_blocks()
         self.caches = self._allocate_caches()
@@ -161,6 +169,13 @@ class LLMBackend(Backend):
             raise InvalidInputError(f"token id {max(ids)} is outside the vocabulary (size {self.args.vocab_size})")
         return ids
 
+    def start_guide(self, constraint: Constraint) -> guided.Guide:
+        """A fresh matcher for one sequence; the first use of a constraint compiles it (a refusal is a 400)."""
+        if self.guides is None:
+            raise InvalidInputError(f"model '{self.config.name}' cannot constrain its output: its tokenizer is not "
+                                    f"supported by the grammar engine ({self.guides_error})")
+        return self.guides.start(constraint)
+
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Never called: the factory gives a generation model a GenerationRunner, which calls `step`."""
         raise NotImplementedError("generation models run step by step")
@@ -196,6 +211,9 @@ class LLMBackend(Backend):
                     histories.append(History(seq.token_ids + drafts[:j] if j else seq.token_ids, seq.prompt_len))
             start += n
         device = self.torch_device
+        constrained = [i for i, seq in enumerate(samplers) if seq.guide is not None]
+        masks = self.guides.masks([(samplers[i].guide, histories[i].output) for i in constrained],
+                                  len(samplers)) if constrained else None
         meta = StepMetadata(torch.tensor(slots, dtype=torch.long, device=device), [])
         if self.paged_kernel:  # every entry in step order: the kernel reads the queries packed as they are
             _, lengths, computed, tables = zip(*sorted(decode + verify + prefill, key=lambda e: e[0]))
@@ -220,6 +238,8 @@ class LLMBackend(Backend):
                                 self.caches, meta, torch.tensor(rows, dtype=torch.long, device=device))
             if not samplers:
                 return {}
+            if masks is not None:  # computed on the mask thread while the forward pass ran (guided.py)
+                logits = guided.apply(logits, constrained, self.guides.wait(masks))
             chosen, logprobs = choose(logits, [s.sampling for s in samplers], [len(h.token_ids) for h in histories],
                                       self.generator, histories, tuple(self.eos_token_ids))
         return self._collect(plan, samplers, chosen, logprobs)
@@ -245,6 +265,8 @@ class LLMBackend(Backend):
 
     def unload(self) -> None:
         self.model = None
+        if getattr(self, "guides", None) is not None:
+            self.guides.close()
         self.caches = []
         if self.device.kind == "cuda":
             torch.cuda.empty_cache()

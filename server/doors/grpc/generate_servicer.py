@@ -87,6 +87,10 @@ def _sampling(p: gen.SamplingParams) -> dict:
     for optional in ("seed", "repetition_penalty", "logprobs"):  # unset means the default, not 0
         if p.HasField(optional):
             given[optional] = getattr(p, optional)
+    structured = {"json": p.json_schema or None, "regex": p.regex or None, "choice": list(p.choice) or None,
+                  "grammar": p.grammar or None, "json_object": p.json_object or None}
+    if any(v is not None for v in structured.values()):
+        given["structured_outputs"] = {k: v for k, v in structured.items() if v is not None}
     return given
 
 

@@ -42,9 +42,11 @@ class ChatTemplate:
         special = {k: _content(config[k]) for k in _SPECIAL if config.get(k) is not None}
         return cls(source, special)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI's tool objects, given to the template as Hugging Face's `tools` argument."""
+        extra = {"tools": tools} if tools is not None else {}
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special)
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **extra, **self.special)
         except TemplateError as exc:
             raise InvalidInputError(f"the model's chat template refused these messages: {capped(str(exc), 300)}") from None
 
@@ -65,13 +67,13 @@ class Templates:
             self._cached[(mv.name, mv.version)] = cached
         return cached[1]
 
-    def prompt(self, mv, messages, add_generation_prompt: bool = True) -> str:
+    def prompt(self, mv, messages, add_generation_prompt: bool = True, tools: list[dict] | None = None) -> str:
         """The conversation as the prompt `mv` generates from; refusals are InvalidInputError."""
         template = self.of(mv)
         if template is None:
             raise InvalidInputError(f"model '{mv.name}' has no chat template (chat_template in tokenizer_config.json); "
                                     "use /v1/completions with a prompt")
-        return template.render(checked_messages(messages), add_generation_prompt)
+        return template.render(checked_messages(messages), add_generation_prompt, tools)
 
 
 def checked_messages(messages) -> list[dict]:

@@ -12,6 +12,8 @@ template, as /v1/chat/completions renders it.
 
 from __future__ import annotations
 
+import json
+
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -19,7 +21,7 @@ from typing import AsyncIterator
 import grpc
 
 from protos import generate_pb2 as gen
-from server.errors import InvalidInputError
+from server.errors import InvalidInputError, UnsupportedError
 from server.runners.generation import GenerationEvent, GenerationInput, Logprob, TokenLogprobs
 from server.runners.sampling import sampling_params
 from server.scheduling.sequence import SamplingParams
@@ -72,6 +74,8 @@ async def openai_answer(generator: Generator, raw: bytes, chat: bool) -> dict:
     wanted = choices.counts(body, completions=not chat)
     model = openai_api.model_of(body)
     message = gen.GenerateRequest(model_name=model)
+    if chat and body.get("tools") is not None:
+        raise UnsupportedError("tool calling ('tools') needs the HTTP door: gRPC Generate carries no tools")
     if chat:
         logprobs = openai_api.chat_logprobs(body)
         for entry in checked_messages(body.get("messages")):
@@ -106,6 +110,8 @@ async def generate_answer(generator: Generator, model: str, version: str, raw: b
 
 def openai_problem(body: dict, chat: bool) -> str | None:
     messages = body.get("messages") if chat else None
+    if chat and body.get("tools") is not None:
+        return "tool calling ('tools') needs the HTTP door: gRPC Generate carries no tools (send it with --url http://...)"
     if isinstance(messages, list):
         for i, entry in enumerate(messages):
             extra = sorted(set(entry) - {"role", "content"}) if isinstance(entry, dict) else []
@@ -168,6 +174,12 @@ def _fill(into: gen.SamplingParams, sampling: SamplingParams, max_tokens: int) -
         into.seed = sampling.seed
     if sampling.logprobs is not None:
         into.logprobs = sampling.logprobs
+    constraint = sampling.constraint
+    if constraint is not None:
+        if constraint.kind == "choice":
+            into.choice.extend(json.loads(constraint.spec))
+        else:
+            setattr(into, "json_schema" if constraint.kind == "json" else constraint.kind, constraint.spec)
 
 
 def _event(response: gen.GenerateResponse) -> GenerationEvent:

@@ -27,7 +27,9 @@ from server.doors.shared import serving
 from server.repository.registry import Registry
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
-from server.doors.http import choices, streaming
+from server.backends.base import parameter
+from server.doors.http import choices, streaming, tools
+from server.doors.http.response_format import FIELDS as STRUCTURED_FIELDS, structured_of
 from server.doors.http.body import read_body
 from server.doors.http.chat import Templates
 from server.doors.http.errors import message_of, openai_body, openai_error, status_of
@@ -115,9 +117,21 @@ class OpenAIRoutes:
     async def _chat_completions(self, body: dict, arrival: int, traced) -> Response:
         wanted = choices.counts(body, completions=False)
         mv = serving(self.registry, model_of(body), "", GENERATE)
-        prompt = self.templates.prompt(mv, body.get("messages"), bool(body.get("add_generation_prompt", True)))
-        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=sampling_of(body, chat_logprobs(body))))
+        plan = tools.plan_of(body, parameter(mv.config, "tool_call_parser", "hermes"))
+        messages = body.get("messages")
+        if plan is not None and isinstance(messages, list):
+            messages = tools.template_messages(messages)
+        prompt = self.templates.prompt(mv, messages, bool(body.get("add_generation_prompt", True)),
+                                       plan.tools if plan is not None else None)
+        sampling = sampling_of(body, chat_logprobs(body))
+        enforced = plan.structured() if plan is not None else None
+        if enforced is not None:
+            if "structured_outputs" in sampling:
+                raise InvalidInputError(f"tool_choice {plan.mode!r} constrains the output already; drop 'response_format'")
+            sampling.update(enforced)
+        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=sampling))
         reply = Reply("chatcmpl", "chat.completion", mv.name, chat=True)
+        reply.tools = plan
         return await self._answer(mv, decoded, body, reply, "", wanted, traced)
 
     async def _answer(self, mv, decoded, body: dict, reply: Reply, echo: str, wanted: choices.ChoiceCounts,
@@ -129,6 +143,7 @@ class OpenAIRoutes:
             wrap = traced.wrap
         if not body.get("stream"):
             return JSONResponse(await whole_answer(mv.runner, decoded, reply, echo, wanted, wrap))
+        streams = {index: tools.ToolStream(reply.tools) for index in range(wanted.n)} if reply.tools else None
         generations = await choices.start(mv.runner, choices.variants(decoded, wanted.best_of, wanted.ranked))
         if wrap is not None:
             generations = [wrap(generation) for generation in generations]
@@ -143,9 +158,8 @@ class OpenAIRoutes:
             try:
                 async with contextlib.aclosing(choices.merged(generations)) as events:
                     async for index, event in events:
-                        if event.text or event.finish_reason is not None or event.logprobs:
-                            finish = _FINISH.get(event.finish_reason, event.finish_reason)
-                            yield streaming.sse(reply.chunk(index, event.text, finish, logprobs=event.logprobs))
+                        for chunk in _event_chunks(reply, streams, index, event):
+                            yield streaming.sse(chunk)
                         if event.finish_reason is not None:
                             finals.append(event)
                 if usage:
@@ -182,6 +196,7 @@ class Reply:
         self.created = int(time.time())
         self.echo = 0  # characters of echoed prompt in front of every choice's text
         self._offsets: dict[int, int] = {}  # completions' text_offset of each choice's next token
+        self.tools: tools.ToolPlan | None = None  # chat with tools: the text becomes tool_calls (tools.py)
 
     def _object(self, kind: str, choices: list, **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices, **extra}
@@ -194,10 +209,27 @@ class Reply:
             text, last = echo + "".join(choice.pieces), choice.last
             finish = _FINISH.get(last.finish_reason, last.finish_reason)
             logprobs = self._logprobs(choice.index, choice.logprobs if asked else None)
-            shaped.append({"index": choice.index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+            shaped.append({"index": choice.index, "message": self._message(text), "finish_reason": finish,
                            "logprobs": logprobs} if self.chat else
                           {"index": choice.index, "text": text, "finish_reason": finish, "logprobs": logprobs})
+        if self.tools is not None:
+            for choice in shaped:
+                if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
+                    choice["finish_reason"] = "tool_calls"
         return self._object(self.kind, shaped, usage=_usage(finals))
+
+    def _message(self, text: str) -> dict:
+        if self.tools is None:
+            return {"role": "assistant", "content": text}
+        content, calls = self.tools.calls(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [tools.shaped(call) for call in calls]
+        return message
+
+    def delta_chunk(self, index: int, delta: dict, finish: str | None, logprobs: list | None = None) -> dict:
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": self._logprobs(index, logprobs)}
+        return self._object("chat.completion.chunk", [choice])
 
     def chunk(self, index: int, text: str, finish: str | None, first: bool = False, logprobs: list | None = None) -> dict:
         shaped = self._logprobs(index, logprobs)
@@ -226,6 +258,27 @@ class Reply:
         return self._object("chat.completion.chunk" if self.chat else self.kind, [], usage=_usage(finals))
 
 
+def _event_chunks(reply: Reply, streams: dict | None, index: int, event) -> list[dict]:
+    finish = _FINISH.get(event.finish_reason, event.finish_reason)
+    if streams is not None:
+        return _tool_chunks(reply, streams[index], index, event, finish)
+    if event.text or event.finish_reason is not None or event.logprobs:
+        return [reply.chunk(index, event.text, finish, logprobs=event.logprobs)]
+    return []
+
+
+def _tool_chunks(reply: Reply, stream: tools.ToolStream, index: int, event, finish: str | None) -> list[dict]:
+    """A streamed event of a chat with tools as chunks: content, tool call deltas, the finish."""
+    deltas = stream.feed(event.text)
+    if event.finish_reason is not None:
+        tail, finish = stream.finish(finish)
+        deltas += tail
+    chunks = [reply.delta_chunk(index, delta, None, event.logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
+    if event.finish_reason is not None:
+        chunks.append(reply.delta_chunk(index, {}, finish))
+    return chunks
+
+
 def _usage(finals: list) -> dict:
     """OpenAI's count: the prompt once, the completion tokens of every choice generated."""
     prompt = finals[0].prompt_tokens if finals else 0
@@ -237,7 +290,7 @@ def checked_body(body) -> dict:
     """A request body this API reads: a JSON object of known fields."""
     if not isinstance(body, dict):
         raise InvalidInputError("the request body must be a JSON object")
-    unknown = set(body) - set(_SAMPLING) - _IGNORED
+    unknown = set(body) - set(_SAMPLING) - _IGNORED - STRUCTURED_FIELDS - tools.FIELDS
     if unknown:
         raise InvalidInputError(f"unsupported fields {sorted(unknown)[:10]}")
     return body
@@ -290,4 +343,5 @@ def sampling_of(body: dict, logprobs=None) -> dict:
             sampling[key] = body[field]
     if logprobs is not None:
         sampling["logprobs"] = logprobs
+    sampling.update(structured_of(body))
     return sampling
