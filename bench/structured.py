@@ -9,7 +9,9 @@ at once, `--tokens` output tokens each, over gRPC Generate:
   free:  every request unconstrained;
   mixed: half of them constrained to a JSON schema (nested objects, arrays, enums, bounded numbers)
          whose minItems keeps the object open past `--tokens`, so both bursts generate the same count.
-Rounds interleave the two bursts with fresh prompts; each figure is the median over rounds. Printed:
+  control: every request unconstrained again (an A/A twin of free: the spread of control/free is the
+         machine's noise; a mixed/free ratio inside it is a tie).
+Rounds interleave the three bursts (order rotated) with fresh prompts; each figure is the median over rounds. Printed:
 output tokens/s and inter-token p50/p99 of each, the mixed/free ratios, the time steps waited for
 masks after their forward pass (the server's ferry_structured_output_mask_wait_us_total), and per
 schema the compile time on first use and on a cached use (in process, the server's own guided.py).
@@ -172,20 +174,21 @@ def main() -> None:
 
 def run(args, address: str, metrics: str) -> dict:
     asyncio.run(burst(address, jobs(args.requests, 999), args.tokens, set(range(0, args.requests, 2))))  # warm
-    runs = {"free": [], "mixed": []}
+    runs = {"free": [], "mixed": [], "control": []}
     waits = []
     for round_ in range(args.rounds):
         prompts = jobs(args.requests, round_)
-        order = ("free", "mixed") if round_ % 2 == 0 else ("mixed", "free")
-        for name in order:
+        names = list(runs)
+        for name in names[round_ % 3:] + names[:round_ % 3]:  # each burst takes each place in turn
             before = mask_wait_ms(metrics)
             constrained = set(range(0, args.requests, 2)) if name == "mixed" else set()
             runs[name].append(asyncio.run(burst(address, prompts, args.tokens, constrained)))
             if name == "mixed":
                 waits.append(mask_wait_ms(metrics) - before)
-    paired = [(m["output_tok_s"] / f["output_tok_s"], m["itl_p99_ms"] / f["itl_p99_ms"]) for f, m in zip(runs["free"], runs["mixed"])]
+    def paired(other: str) -> list[tuple[float, float]]:
+        return [(o["output_tok_s"] / f["output_tok_s"], o["itl_p99_ms"] / f["itl_p99_ms"]) for f, o in zip(runs["free"], runs[other])]
     return {name: generation.median_row(rows) for name, rows in runs.items()} | {
-        "mask_wait_ms": float(np.median(waits)), "paired": paired}
+        "mask_wait_ms": float(np.median(waits)), "paired": paired("mixed"), "control": paired("control")}
 
 
 def report(args, vocab: int, rows: dict, compiles: dict) -> str:
@@ -195,7 +198,8 @@ def report(args, vocab: int, rows: dict, compiles: dict) -> str:
              "a request, temperature 1; medians over rounds (each round's figure after the slash list).", "",
              "| burst | tokens/s | inter-token p50 ms | inter-token p99 ms | runs tok/s | runs p99 ms |",
              "|---|---|---|---|---|---|"]
-    for name, row in (("free (48 unconstrained)", free), ("mixed (24 with the schema)", mixed)):
+    for name, row in (("free (48 unconstrained)", free), ("mixed (24 with the schema)", mixed),
+                      ("control (free again, A/A)", rows["control"])):
         lines.append(f"| {name} | {row['output_tok_s']} | {row['itl_p50_ms']} | {row['itl_p99_ms']} | {row['runs']} | "
                      f"{row['itl_p99_runs']} |")
     lines += ["", f"mixed / free: tokens/s **{mixed['output_tok_s'] / free['output_tok_s']:.2f}x** (goal >= 0.9), "
@@ -207,6 +211,12 @@ def report(args, vocab: int, rows: dict, compiles: dict) -> str:
               "inter-token p99 " + "/".join(f"{p:.2f}" for _, p in rows["paired"])
               + f" (median **{np.median([p for _, p in rows['paired']]):.2f}x**).", "", "| schema | first use: compile + first mask, ms | cached: copy + first mask, ms (median of 5) |", "|---|---|---|"]
     lines += [f"| {name} | {first:.1f} | {cached:.2f} |" for name, (first, cached) in compiles.items()]
+    control = rows["control"]
+    lines += ["", "A/A control (control / free, round by round): tokens/s " + "/".join(f"{t:.2f}" for t, _ in control)
+              + f" (median {np.median([t for t, _ in control]):.2f}x, spread {min(t for t, _ in control):.2f}-"
+              f"{max(t for t, _ in control):.2f}), inter-token p99 " + "/".join(f"{p:.2f}" for _, p in control)
+              + f" (median {np.median([p for _, p in control]):.2f}x, spread {min(p for _, p in control):.2f}-"
+              f"{max(p for _, p in control):.2f}): a mixed/free ratio inside that spread is a tie."]
     return "\n".join(lines)
 
 
