@@ -53,7 +53,8 @@ class ServerConfig:
     metrics_host: str | None = None  # None: the gRPC host
     web: WebOptions | None = field(default_factory=WebOptions)  # None: no HTTP front door
     server_name: str = "ferry"  # ServerMetadata's name
-    model_control_mode: str = "none"  # Triton's none (load all, refuse load/unload) | poll | explicit
+    model_control_mode: str = "none"  # Triton's none (load all, refuse load/unload) | poll | explicit | on_demand (Ferry's)
+    model_memory_budget: tuple[tuple[str, int], ...] = ()  # on_demand: (place, bytes), place 'host' or 'cuda:N'
     allow_model_upload: bool = False  # explicit mode: loads may carry model files (`file:` parameters)
     allow_shared_memory: bool = False  # clients may register system shared-memory regions
     allow_log_settings: bool = False  # clients may change the log settings

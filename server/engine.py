@@ -21,7 +21,10 @@ from server.observability.generation_metrics import GenerationFamilies
 from server.observability.loop_load import LoopLoad
 from server.observability.metrics import CacheCollector, Histograms, ModelProcessRestarts, StatsCollector
 from server.doors.model_control import ModelControl
+from server.observability.residency_metrics import ResidencyCollector
+from server.repository.on_demand import OnDemand
 from server.repository.registry import Registry
+from server.repository.residency import Residency
 from server.response_cache import ResponseCache
 from server.runners.factory import RunnerFactory
 from server.scheduling.budget import ByteBudget
@@ -42,6 +45,9 @@ class Engine:
 
     async def load(self, config: ServerConfig) -> None:
         """Load the start-up models: all of them, or with explicit model control only `--load-model`'s."""
+        if config.model_control_mode == "on_demand":
+            await self.registry.describe_all()  # listed and described now, each loaded by its first request
+            return
         explicit = config.model_control_mode == "explicit"
         everything = not explicit or "*" in (config.load_models or ())  # Triton: `--load-model '*'` loads all
         await self.registry.load_all(None if everything else config.load_models or frozenset())
@@ -84,5 +90,10 @@ def build_engine(config: ServerConfig) -> Engine:
     factory.models.bind(registry.get)  # ensembles and BLS calls find their models at call time
     control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
     factory.control.bind(control)  # pb_utils.load_model / unload_model, under the same mode as the doors
+    if config.model_control_mode == "on_demand":
+        registry.on_demand = OnDemand(registry, Residency(dict(config.model_memory_budget)))
+        log.info("on-demand model control: models load on their first request; model memory budget: %s",
+                 registry.on_demand.in_use())
+    prom.register(ResidencyCollector(registry, registry.on_demand))
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))
     return Engine(prom, registry, loop_load, server_budget, control)

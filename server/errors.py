@@ -55,3 +55,7 @@ class AlreadyExistsError(FerryError):
 
 class DisabledError(FerryError):
     """The server's operator has not turned this on (a flag enables it); the message names the flag."""
+
+
+class ResourceExhaustedError(FerryError):
+    """The server lacks the resource the request needs (a model that does not fit its memory budget)."""

@@ -76,3 +76,14 @@ def keep() -> bool:
         return False
     log.debug("heap kept between steps: %s", done)
     return done
+
+
+def trim() -> None:
+    """Hand the heap's free pages back to the kernel once (glibc's malloc_trim): after an eviction, so the
+    memory the evicted model held shows as free to the next load's measurement and to the operator."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        if hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass

@@ -19,7 +19,7 @@ from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.names import is_version_folder
 from server.repository import config as config_io
-from server.repository import ensemble_config, warmup
+from server.repository import ensemble_config, footprint, warmup
 from server.tensors.signature import Signature
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class LoadedVersion:
     signature: Signature | None = None
     backends: list[Backend] = field(default_factory=list)
     error: str = ""
+    footprint: footprint.Footprint | None = None  # what its instances hold (None: not loaded, only described)
 
 
 def scan(root: Path) -> list[Path]:
@@ -66,10 +67,11 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
     return sorted(available)[-max(count, 1):]
 
 
-def load_model(model_dir: Path, default_max_batch_size: int,
-               config: mc.ModelConfig | None = None) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
+def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelConfig | None = None,
+               describe_only: bool = False) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
     """Read the config (or take `config`, a load request's override) and load every selected version;
-    raises ConfigError for model-wide problems."""
+    raises ConfigError for model-wide problems. `describe_only`: complete and check each version's config
+    and signature but build no instance (on-demand model control answers metadata before any load)."""
     if config is not None:
         base, source = copy.deepcopy(config), f"{model_dir.name} (the load request's 'config' parameter)"
     else:
@@ -93,7 +95,7 @@ def load_model(model_dir: Path, default_max_batch_size: int,
         try:
             if number not in on_disk:
                 raise ConfigError(f"{source}: version_policy names version {number} but {model_dir.name}/{number}/ does not exist")
-            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size)
+            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size, describe_only)
         except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the others
             error = exc.message if isinstance(exc, FerryError) else f"{model_dir.name}/{number}: {type(exc).__name__}: {exc}"
             entry.error = without_paths(error, model_dir)
@@ -105,7 +107,8 @@ def load_model(model_dir: Path, default_max_batch_size: int,
     return base, loaded
 
 
-def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, source: str, default_mbs: int) -> None:
+def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, source: str, default_mbs: int,
+                  describe_only: bool = False) -> None:
     config = copy.deepcopy(base)
     model_path = _model_file(config, backend_cls, version_dir)
     backend_cls.complete_config(config, model_path, default_mbs)
@@ -115,6 +118,10 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     signature = Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
     labels = classification.read_labels(config, version_dir.parent, source)
     entry.config, entry.signature = config, dataclasses.replace(signature, labels=labels)
+    declared = footprint.declared(config, source)
+    if describe_only:
+        return
+    before = footprint.snapshot()
     for index, device in enumerate(_devices(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
         backend.instance = index
@@ -123,6 +130,7 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     if config.model_warmup:
         _check_warmable(config, backend_cls, source)
         warmup.run(config, entry.signature, entry.backends, version_dir.parent, source)
+    entry.footprint = declared or footprint.measured(before, footprint.snapshot())
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
 

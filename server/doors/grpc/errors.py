@@ -27,6 +27,7 @@ STATUS = {
     errors.RegionNotFoundError: grpc.StatusCode.NOT_FOUND,
     errors.AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,  # as Triton answers a region registered twice
     errors.DisabledError: grpc.StatusCode.PERMISSION_DENIED,  # the server's flags forbid it, whoever asks
+    errors.ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a model larger than the memory budget
 }
 
 
