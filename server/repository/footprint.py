@@ -10,6 +10,8 @@ string_value: "64MiB" } }`), and then that is what counts.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import re
 import sys
@@ -19,6 +21,7 @@ from protos import model_config_pb2 as mc
 from server.errors import ConfigError
 
 HOST = "host"
+_HEAP = "_heap"  # a snapshot's malloc in-use bytes: folded into HOST by `measured`
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30, "ti": 2**40, "tib": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
@@ -81,7 +84,7 @@ def parse_places(text: str, default_place: str = HOST) -> dict[str, int]:
 
 def snapshot() -> dict[str, int]:
     """Memory in use now: this process's resident bytes, and each CUDA device's used bytes where torch sees one."""
-    used = {HOST: _resident_bytes()}
+    used = {HOST: _resident_bytes(), _HEAP: _heap_in_use()}
     torch = sys.modules.get("torch")  # never imported here: a server without CUDA models does not pay for it
     if torch is not None and torch.cuda.is_available():
         for index in range(torch.cuda.device_count()):
@@ -91,7 +94,37 @@ def snapshot() -> dict[str, int]:
 
 
 def measured(before: dict[str, int], after: dict[str, int]) -> Footprint:
-    return Footprint({place: max(0, after.get(place, 0) - before.get(place, 0)) for place in after})
+    """The growth between two snapshots. Host memory is the larger of resident growth and heap growth:
+    resident memory misses what the load took from pages the heap already held (freed by an earlier
+    load or by the config's completion), the heap misses what was mapped outside it."""
+    grown = {place: max(0, after.get(place, 0) - before.get(place, 0)) for place in after}
+    grown[HOST] = max(grown.get(HOST, 0), grown.pop(_HEAP, 0))
+    return Footprint(grown)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _heap_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not had back, every arena (0 where there is no mallinfo2)."""
+    if _LIBC is None:
+        return 0
+    info = _LIBC.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        libc.mallinfo2.restype = _MallInfo2
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
 
 
 def _resident_bytes() -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protos import model_config_pb2 as mc
-from server import backends
+from server import backends, heap
 from server.tensors import classification
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
@@ -121,6 +121,7 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     declared = footprint.declared(config, source)
     if describe_only:
         return
+    heap.trim()  # free pages the heap kept (the config's completion read the model file) would hide the load's own
     before = footprint.snapshot()
     for index, device in enumerate(_devices(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
