@@ -87,7 +87,7 @@ def build_engine(config: ServerConfig) -> Engine:
                             model_bytes, loop_load=loop_load, response_cache=cache, restarts=ModelProcessRestarts(prom),
                             custom_metrics=custom_metrics)
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
-    factory.models.bind(registry.get)  # ensembles and BLS calls find their models at call time
+    factory.models.bind(registry.get, registry.lease)  # ensembles and BLS calls find (and load) their models at call time
     control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
     factory.control.bind(control)  # pb_utils.load_model / unload_model, under the same mode as the doors
     if config.model_control_mode == "on_demand":

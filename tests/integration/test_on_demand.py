@@ -125,6 +125,7 @@ def test_a_model_larger_than_the_budget_is_resource_exhausted(twenty):
             kserve.infer(server.channel, "huge", {"X": X})
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "100.0 MiB" in info.value.details() and "50.0 MiB" in info.value.details()
+        assert "even with every other model unloaded" in info.value.details()
         y = kserve.infer(server.channel, "m03", {"X": X})["Y"]  # the others still load and answer
         np.testing.assert_allclose(y, X @ weight(3), rtol=1e-4, atol=1e-3)
     finally:
@@ -217,3 +218,26 @@ def test_flags_are_checked(tmp_path):
         assert done.returncode == 2 and words in done.stderr
 
 
+
+
+def test_an_ensemble_loads_its_cold_steps_on_its_first_request(tmp_path):
+    repo = tmp_path / "repo"
+    for i in (1, 2):
+        matmul_model(repo / f"m{i:02d}", seed=i)
+    steps = ", ".join(f'{{model_name: "{model}", input_map: {{key: "X", value: "{src}"}}, output_map: {{key: "Y", value: "{dst}"}}}}'
+                      for model, src, dst in (("m01", "IN", "a"), ("m02", "a", "OUT")))
+    (repo / "pair" / "1").mkdir(parents=True)
+    (repo / "pair" / "config.pbtxt").write_text(f"""
+platform: "ensemble"
+max_batch_size: 8
+input [{{name: "IN", data_type: TYPE_FP32, dims: [{WIDTH}]}}]
+output [{{name: "OUT", data_type: TYPE_FP32, dims: [{WIDTH}]}}]
+ensemble_scheduling {{ step [ {steps} ] }}
+""")
+    server = on_demand(repo)
+    try:
+        y = kserve.infer(server.channel, "pair", {"IN": X})["OUT"]
+        np.testing.assert_allclose(y, X @ weight(1) @ weight(2), rtol=1e-3, atol=1e-2)
+        assert server.metric("ferry_model_loads", model="m01") == 1 and server.metric("ferry_model_loads", model="m02") == 1
+    finally:
+        server.stop()
