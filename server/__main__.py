@@ -77,6 +77,12 @@ def _serve_parser(sub) -> None:
     access.add_argument("--model-memory-budget", action="append", default=[], metavar="SIZE|cuda:N=SIZE",
                         help="on_demand: memory the loaded models may hold, e.g. 2GiB (host memory) or cuda:0=30GiB "
                              "(a device's; repeatable or comma-separated); models over it are evicted, least recently used first")
+    access.add_argument("--rate-limit", choices=("off", "execution_count"), default="off",
+                        help="as Triton's: execution_count applies each instance_group's rate_limiter (an instance runs "
+                             "only while its resources are free, priority orders the waiting); off (the default) ignores it")
+    access.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
+                        help="as Triton's: how many of a rate_limiter resource exist, per device (DEVICE: a GPU index, or "
+                             "'global'; none: each device); unnamed resources count the largest ask of any instance")
     access.add_argument("--allow-model-upload", action="store_true",
                         help="explicit mode: let a load carry model files (`file:` parameters), which can run code on this "
                              "server; off by default (needs the admin token when tokens are set)")
@@ -133,6 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         server_name=args.server_name,
         model_control_mode=args.model_control_mode,
         model_memory_budget=_memory_budget(parser, args),
+        rate_limit=args.rate_limit,
+        rate_limit_resources=_rate_limit_resources(parser, args),
         allow_model_upload=args.allow_model_upload,
         allow_shared_memory=args.allow_shared_memory,
         allow_log_settings=args.allow_log_settings,
@@ -190,6 +198,17 @@ def _memory_budget(parser: argparse.ArgumentParser, args) -> tuple[tuple[str, in
         return tuple(sorted(parse_budget(args.model_memory_budget).items()))
     except ValueError as exc:
         parser.error(f"--model-memory-budget: {exc}")
+
+
+def _rate_limit_resources(parser: argparse.ArgumentParser, args) -> tuple:
+    from server.scheduling.rate_limiter import parse_resource
+
+    if args.rate_limit_resource and args.rate_limit != "execution_count":
+        parser.error("--rate-limit-resource needs --rate-limit execution_count")
+    try:
+        return tuple(parse_resource(text) for text in args.rate_limit_resource)
+    except ValueError as exc:
+        parser.error(f"--rate-limit-resource: {exc}")
 
 
 def _cache_bytes(parser: argparse.ArgumentParser, values: list[str]) -> int:

@@ -28,6 +28,7 @@ from server.repository.residency import Residency
 from server.response_cache import ResponseCache
 from server.runners.factory import RunnerFactory
 from server.scheduling.budget import ByteBudget
+from server.scheduling.rate_limiter import RateLimiter
 
 if TYPE_CHECKING:
     from server.app import ServerConfig
@@ -71,6 +72,16 @@ def _limit(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes else "no limit"
 
 
+def rate_limiter(config: ServerConfig) -> RateLimiter | None:
+    if config.rate_limit != "execution_count":
+        return None
+    limiter = RateLimiter(dict(config.rate_limit_resources))
+    log.info("rate limiter on: instances run only while their rate_limiter resources are free (%s)",
+             ", ".join(f"{n}:{c}" + (f":{d}" if d else "") for (n, d), c in config.rate_limit_resources) or
+             "counts from the largest ask")
+    return limiter
+
+
 def build_engine(config: ServerConfig) -> Engine:
     """Registry, factory and their metrics on the running loop; nothing is loaded yet (`Engine.load`)."""
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
@@ -85,7 +96,7 @@ def build_engine(config: ServerConfig) -> Engine:
     prom.register(custom_metrics)
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget,
                             model_bytes, loop_load=loop_load, response_cache=cache, restarts=ModelProcessRestarts(prom),
-                            custom_metrics=custom_metrics)
+                            custom_metrics=custom_metrics, rate_limiter=rate_limiter(config))
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
     factory.models.bind(registry.get, registry.lease)  # ensembles and BLS calls find (and load) their models at call time
     control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)

@@ -123,9 +123,9 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
         return
     heap.trim()  # free pages the heap kept (the config's completion read the model file) would hide the load's own
     before = footprint.snapshot()
-    for index, device in enumerate(_devices(config, backend_cls)):
+    for index, (device, group) in enumerate(_placed(config, backend_cls)):
         backend = backend_cls(config, model_path, device)
-        backend.instance = index
+        backend.instance, backend.instance_group = index, group  # the group: its rate_limiter (scheduling/rate_limiter.py)
         entry.backends.append(backend)
         backend.load()
     if config.model_warmup:
@@ -165,6 +165,16 @@ def _model_file(config: mc.ModelConfig, backend_cls, version_dir: Path) -> Path:
         if (version_dir / name).exists():
             return version_dir / name
     raise ConfigError(f"{version_dir.parent.name}/{version_dir.name}/: model file {' or '.join(candidates)} is missing")
+
+
+def _placed(config: mc.ModelConfig, backend_cls) -> list[tuple[Device, int]]:
+    """Each instance's device and the index of its instance group (whose rate_limiter it follows)."""
+    placed = []
+    for index, group in enumerate(config.instance_group):
+        alone = mc.ModelConfig()
+        alone.instance_group.append(group)
+        placed += [(device, index) for device in _devices(alone, backend_cls)]
+    return placed
 
 
 def _devices(config: mc.ModelConfig, backend_cls) -> list[Device]:
