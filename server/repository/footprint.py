@@ -82,13 +82,28 @@ def parse_places(text: str, default_place: str = HOST) -> dict[str, int]:
     return places
 
 
-def snapshot() -> dict[str, int]:
-    """Memory in use now: this process's resident bytes, and each CUDA device's used bytes where torch sees one."""
+def snapshot(cuda_devices: frozenset[int] | set[int] = frozenset()) -> dict[str, int]:
+    """Memory in use now: this process's resident bytes and heap, and each named CUDA device's used bytes.
+    Devices are asked only for a load that places instances on them, so a CPU-only server never starts CUDA."""
     used = {HOST: _resident_bytes(), _HEAP: _heap_in_use()}
-    torch = sys.modules.get("torch")  # never imported here: a server without CUDA models does not pay for it
-    if torch is not None and torch.cuda.is_available():
-        for index in range(torch.cuda.device_count()):
-            free, total = torch.cuda.mem_get_info(index)  # the device's view: ONNX Runtime's allocations count too
+    if cuda_devices:
+        used.update(_device_used(cuda_devices))
+    return used
+
+
+def _device_used(cuda_devices) -> dict[str, int]:
+    """The device's own view (torch.cuda.mem_get_info: total minus free), so what ONNX Runtime or any other
+    library allocates there counts, not only torch's tensors."""
+    try:
+        import torch
+    except ImportError:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+    used = {}
+    for index in sorted(cuda_devices):
+        if index < torch.cuda.device_count():
+            free, total = torch.cuda.mem_get_info(index)
             used[f"cuda:{index}"] = total - free
     return used
 

@@ -121,9 +121,11 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     declared = footprint.declared(config, source)
     if describe_only:
         return
+    placed = _placed(config, backend_cls)
+    gpus = {device.index for device, _ in placed if device.kind == "cuda"}
     heap.trim()  # free pages the heap kept (the config's completion read the model file) would hide the load's own
-    before = footprint.snapshot()
-    for index, (device, group) in enumerate(_placed(config, backend_cls)):
+    before = footprint.snapshot(gpus)
+    for index, (device, group) in enumerate(placed):
         backend = backend_cls(config, model_path, device)
         backend.instance, backend.instance_group = index, group  # the group: its rate_limiter (scheduling/rate_limiter.py)
         entry.backends.append(backend)
@@ -131,7 +133,7 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     if config.model_warmup:
         _check_warmable(config, backend_cls, source)
         warmup.run(config, entry.signature, entry.backends, version_dir.parent, source)
-    entry.footprint = declared or footprint.measured(before, footprint.snapshot())
+    entry.footprint = declared or footprint.measured(before, footprint.snapshot(gpus))
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
 
