@@ -30,12 +30,12 @@ from server.runners.sequence_inputs import SequenceInputs
 from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
 from server.runners.model_calls import LateControl, ModelCalls
-from server.runners.settings import (batching_settings, binpack_settings, generation_settings, request_queue,
+from server.runners.settings import (batching_settings, binpack_settings, generation_settings, instance_needs, request_queue,
                                      speculative_settings)
 from server.scheduling.base import Scheduler
 from server.scheduling.binpack import BinPackBatcher
 from server.scheduling.budget import ByteBudget
-from server.scheduling.rate_limiter import Need, RateLimiter, instance_needs
+from server.scheduling.rate_limiter import Need, RateLimiter
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.dynamic import DynamicBatcher
 from server.scheduling.kv_blocks import KVBlockPool

@@ -16,7 +16,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from protos import model_config_pb2 as mc
 
 GLOBAL = "global"
 Key = tuple[str, str]  # (resource name, device: 'cpu', 'cuda:N' or GLOBAL)
@@ -28,20 +27,6 @@ class Need:
 
     counts: tuple[tuple[Key, int], ...] = ()
     priority: int = 0
-
-
-def instance_needs(config: mc.ModelConfig, group_of_instance: list[int], device_of_instance: list[str]) -> list[Need]:
-    """Each instance's need, from its instance group's rate_limiter (none declared: an empty need)."""
-    needs = []
-    for group_index, device in zip(group_of_instance, device_of_instance):
-        group = config.instance_group[group_index] if group_index < len(config.instance_group) else None
-        if group is None or not group.HasField("rate_limiter"):
-            needs.append(Need())
-            continue
-        limiter = group.rate_limiter
-        counts = tuple(((r.name, GLOBAL if getattr(r, "global") else device), r.count) for r in limiter.resources)
-        needs.append(Need(counts, limiter.priority))
-    return needs
 
 
 def parse_resource(text: str) -> tuple[Key | tuple[str, None], int]:

@@ -10,7 +10,8 @@ from server.errors import ConfigError, ResourceExhaustedError
 from server.repository import footprint
 from server.repository.footprint import Footprint
 from server.repository.residency import Residency, parse_budget
-from server.scheduling.rate_limiter import GLOBAL, Need, RateLimiter, instance_needs, parse_resource
+from server.runners.settings import instance_needs
+from server.scheduling.rate_limiter import GLOBAL, Need, RateLimiter, parse_resource
 
 MiB = 2**20
 
