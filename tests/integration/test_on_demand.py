@@ -241,3 +241,21 @@ ensemble_scheduling {{ step [ {steps} ] }}
         assert server.metric("ferry_model_loads", model="m01") == 1 and server.metric("ferry_model_loads", model="m02") == 1
     finally:
         server.stop()
+
+
+def test_http_requests_load_cold_models_and_statistics_show_the_footprint(twenty):
+    import httpx
+
+    server = on_demand(twenty)
+    try:
+        body = {"inputs": [{"name": "X", "datatype": "FP32", "shape": list(X.shape), "data": X.ravel().tolist()}]}
+        answer = httpx.post(f"{server.http_url}/v2/models/m05/infer", json=body, timeout=60)
+        assert answer.status_code == 200
+        y = np.array(answer.json()["outputs"][0]["data"], np.float32).reshape(X.shape)
+        np.testing.assert_allclose(y, X @ weight(5), rtol=1e-4, atol=1e-3)
+        stats = httpx.get(f"{server.http_url}/v2/models/m05/stats", timeout=10).json()["model_stats"][0]
+        assert stats["memory_bytes"] == {"host": MODEL_MIB * 2**20} and stats["memory_declared"] is True
+        too_big = httpx.post(f"{server.http_url}/v2/models/huge/infer", json=body, timeout=60)
+        assert too_big.status_code == 429 and "100.0 MiB" in too_big.json()["error"]
+    finally:
+        server.stop()
