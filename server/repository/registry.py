@@ -144,7 +144,9 @@ class Registry:
         versions = list(self._models.get(name, {}).values())
         for mv in versions:
             mv.cold = True  # from now on a request for it waits for its next load, not for this unload
-        await self._owned(self._locked(name, self._retire(versions, self.drain_grace_s)))
+        # no full collection (heap.reclaim): evictions come several a second under a tight budget, and each
+        # one walking every object on the event loop stalled the loaded models' requests (bench/many_models.py)
+        await self._owned(self._locked(name, self._retire(versions, self.drain_grace_s, reclaim=False)))
         for mv in versions:
             mv.state, mv.reason, mv.runner, mv.footprint = UNAVAILABLE, why, None, None
         heap.trim()
@@ -242,14 +244,14 @@ class Registry:
         return mv
 
     @staticmethod
-    async def _retire(versions: list[ModelVersion], grace_s: float) -> None:
+    async def _retire(versions: list[ModelVersion], grace_s: float, reclaim: bool = True) -> None:
         closing = []
         for mv in versions:
             if mv.runner is not None:
                 mv.state = UNLOADING
                 closing.append(mv.runner.close(grace_s))
         await asyncio.gather(*closing)
-        if closing:
+        if closing and reclaim:
             heap.reclaim()
 
     def get(self, name: str, version: str = "", cold_ok: bool = False) -> ModelVersion:

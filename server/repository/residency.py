@@ -2,12 +2,17 @@
 
 Pure bookkeeping, no loading: the registry asks `plan` before a load (which idle models to unload so
 the newcomer fits), then reports what the load really took (`admit`) and what it unloaded (`evict`).
-Order is least recently used first (`touch` on every request); a config's `eviction_priority`
-parameter (higher stays longer) comes before recency, and `pinned: "true"` models never leave.
+Order is least recently used first, counted LRU-2 style: by each model's second-to-last request (`touch`
+on every request), then its last. A model that got a single request lately (a one-off in the long tail)
+leaves before one that is requested again and again, even if the hot one's last request is a little older:
+with plain LRU, under a Zipf-shaped load a burst of distinct tail models pushed the hot ones out
+(bench/many_models.py). A config's `eviction_priority` parameter (higher stays longer) comes before
+recency, and `pinned: "true"` models never leave.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,11 +56,15 @@ class Resident:
 class Residency:
     budget: dict[str, int]  # place -> bytes; a place not named has no bound
     resident: OrderedDict[str, Resident] = field(default_factory=OrderedDict)  # least recently used first
+    uses: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> (second-to-last, last) request tick
+    _ticks: itertools.count = field(default_factory=itertools.count)
 
     def used(self, place: str = HOST) -> int:
         return sum(r.footprint.bytes_by_place.get(place, 0) for r in self.resident.values())
 
     def touch(self, name: str) -> None:
+        """A request for `name`: its history is kept whether it is resident or not (its next load will use it)."""
+        self.uses[name] = (self.uses.get(name, (-1, -1))[1], next(self._ticks))
         if name in self.resident:
             self.resident.move_to_end(name)
 
@@ -75,8 +84,9 @@ class Residency:
         over = self._over(need)
         if not over:
             return []
+        order = {n: i for i, n in enumerate(self.resident)}
         candidates = sorted((n for n, r in self.resident.items() if n != name and not r.pinned and idle(n)),
-                            key=lambda n, order=list(self.resident): (self.resident[n].priority, order.index(n)))
+                            key=lambda n: (self.resident[n].priority, *self.uses.get(n, (-1, -1)), order[n]))
         victims = []
         for victim in candidates:
             if not over:
