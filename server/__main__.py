@@ -77,9 +77,20 @@ def _serve_parser(sub) -> None:
     access = p.add_argument_group(
         "access", "what clients may do beyond inference (model control, uploads, shared memory, log and trace "
                   "settings: all off by default) and Triton's restricted categories; see docs/security.md")
-    access.add_argument("--model-control-mode", choices=("none", "poll", "explicit"), default="none",
+    access.add_argument("--model-control-mode", choices=("none", "poll", "explicit", "on_demand"), default="none",
                         help="as Triton's: none (the default: load all, refuse load/unload), poll (none + reload what "
-                             "changes in the repository), explicit (load only --load-model, load/unload RPCs allowed)")
+                             "changes in the repository), explicit (load only --load-model, load/unload RPCs allowed); "
+                             "Ferry's on_demand: list every model, load each on its first inference request, evict the "
+                             "least recently used idle ones to stay within --model-memory-budget (docs/many-models.md)")
+    access.add_argument("--model-memory-budget", action="append", default=[], metavar="SIZE|cuda:N=SIZE",
+                        help="on_demand: memory the loaded models may hold, e.g. 2GiB (host memory) or cuda:0=30GiB "
+                             "(a device's; repeatable or comma-separated); models over it are evicted, least recently used first")
+    access.add_argument("--rate-limit", choices=("off", "execution_count"), default="off",
+                        help="as Triton's: execution_count applies each instance_group's rate_limiter (an instance runs "
+                             "only while its resources are free, priority orders the waiting); off (the default) ignores it")
+    access.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
+                        help="as Triton's: how many of a rate_limiter resource exist, per device (DEVICE: a GPU index, or "
+                             "'global'; none: each device); unnamed resources count the largest ask of any instance")
     access.add_argument("--allow-model-upload", action="store_true",
                         help="explicit mode: let a load carry model files (`file:` parameters), which can run code on this "
                              "server; off by default (needs the admin token when tokens are set)")
@@ -140,6 +151,9 @@ def main(argv: list[str] | None = None) -> None:
         server_name=args.server_name,
         grpc_header_forward=args.grpc_header_forward_pattern,
         model_control_mode=args.model_control_mode,
+        model_memory_budget=_memory_budget(parser, args),
+        rate_limit=args.rate_limit,
+        rate_limit_resources=_rate_limit_resources(parser, args),
         allow_model_upload=args.allow_model_upload,
         allow_shared_memory=args.allow_shared_memory or bool(args.allow_client_shm),
         allow_log_settings=args.allow_log_settings,
@@ -209,6 +223,30 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
         parser.error("--allow-model-upload lets loads carry model files: it needs --model-control-mode explicit")
     if args.load_model and args.model_control_mode != "explicit":
         parser.error("--load-model needs --model-control-mode explicit (the other modes load every model)")
+
+
+def _memory_budget(parser: argparse.ArgumentParser, args) -> tuple[tuple[str, int], ...]:
+    from server.repository.residency import parse_budget
+
+    if args.model_memory_budget and args.model_control_mode != "on_demand":
+        parser.error("--model-memory-budget needs --model-control-mode on_demand (the other modes load what they are told)")
+    if args.model_control_mode == "on_demand" and args.frontend_processes > 1:
+        parser.error("--model-control-mode on_demand serves from one process: it does not work with --frontend-processes yet")
+    try:
+        return tuple(sorted(parse_budget(args.model_memory_budget).items()))
+    except ValueError as exc:
+        parser.error(f"--model-memory-budget: {exc}")
+
+
+def _rate_limit_resources(parser: argparse.ArgumentParser, args) -> tuple:
+    from server.scheduling.rate_limiter import parse_resource
+
+    if args.rate_limit_resource and args.rate_limit != "execution_count":
+        parser.error("--rate-limit-resource needs --rate-limit execution_count")
+    try:
+        return tuple(parse_resource(text) for text in args.rate_limit_resource)
+    except ValueError as exc:
+        parser.error(f"--rate-limit-resource: {exc}")
 
 
 def _cache_bytes(parser: argparse.ArgumentParser, values: list[str]) -> int:

@@ -55,7 +55,10 @@ class ServerConfig:
     web: WebOptions | None = field(default_factory=WebOptions)  # None: no HTTP front door
     server_name: str = "ferry"  # ServerMetadata's name
     grpc_header_forward: str | None = None  # --grpc-header-forward-pattern: metadata made request parameters
-    model_control_mode: str = "none"  # Triton's none (load all, refuse load/unload) | poll | explicit
+    model_control_mode: str = "none"  # Triton's none (load all, refuse load/unload) | poll | explicit | on_demand (Ferry's)
+    model_memory_budget: tuple[tuple[str, int], ...] = ()  # on_demand: (place, bytes), place 'host' or 'cuda:N'
+    rate_limit: str = "off"  # Triton's --rate-limit: off | execution_count (instance_group rate_limiter applied)
+    rate_limit_resources: tuple = ()  # --rate-limit-resource: ((name, device or None for each device), count)
     allow_model_upload: bool = False  # explicit mode: loads may carry model files (`file:` parameters)
     allow_shared_memory: bool = False  # clients may register system shared-memory regions
     allow_log_settings: bool = False  # clients may change the log settings

@@ -21,10 +21,14 @@ from server.observability.generation_metrics import GenerationFamilies
 from server.observability.loop_load import LoopLoad
 from server.observability.metrics import CacheCollector, Histograms, ModelProcessRestarts, StatsCollector
 from server.doors.model_control import ModelControl
+from server.observability.residency_metrics import ResidencyCollector
+from server.repository.on_demand import OnDemand
 from server.repository.registry import Registry
+from server.repository.residency import Residency
 from server.response_cache import ResponseCache
 from server.runners.factory import RunnerFactory
 from server.scheduling.budget import ByteBudget
+from server.scheduling.rate_limiter import RateLimiter
 
 if TYPE_CHECKING:
     from server.app import ServerConfig
@@ -42,6 +46,9 @@ class Engine:
 
     async def load(self, config: ServerConfig) -> None:
         """Load the start-up models: all of them, or with explicit model control only `--load-model`'s."""
+        if config.model_control_mode == "on_demand":
+            await self.registry.describe_all()  # listed and described now, each loaded by its first request
+            return
         explicit = config.model_control_mode == "explicit"
         everything = not explicit or "*" in (config.load_models or ())  # Triton: `--load-model '*'` loads all
         await self.registry.load_all(None if everything else config.load_models or frozenset())
@@ -65,6 +72,16 @@ def _limit(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes else "no limit"
 
 
+def rate_limiter(config: ServerConfig) -> RateLimiter | None:
+    if config.rate_limit != "execution_count":
+        return None
+    limiter = RateLimiter(dict(config.rate_limit_resources))
+    log.info("rate limiter on: instances run only while their rate_limiter resources are free (%s)",
+             ", ".join(f"{n}:{c}" + (f":{d}" if d else "") for (n, d), c in config.rate_limit_resources) or
+             "counts from the largest ask")
+    return limiter
+
+
 def build_engine(config: ServerConfig) -> Engine:
     """Registry, factory and their metrics on the running loop; nothing is loaded yet (`Engine.load`)."""
     disable_created_metrics()  # `_created` series double the page and no dashboard reads them
@@ -79,10 +96,15 @@ def build_engine(config: ServerConfig) -> Engine:
     prom.register(custom_metrics)
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget,
                             model_bytes, loop_load=loop_load, response_cache=cache, restarts=ModelProcessRestarts(prom),
-                            custom_metrics=custom_metrics)
+                            custom_metrics=custom_metrics, rate_limiter=rate_limiter(config))
     registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
-    factory.models.bind(registry.get)  # ensembles and BLS calls find their models at call time
+    factory.models.bind(registry.get, registry.lease)  # ensembles and BLS calls find (and load) their models at call time
     control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
     factory.control.bind(control)  # pb_utils.load_model / unload_model, under the same mode as the doors
+    if config.model_control_mode == "on_demand":
+        registry.on_demand = OnDemand(registry, Residency(dict(config.model_memory_budget)))
+        log.info("on-demand model control: models load on their first request; model memory budget: %s",
+                 registry.on_demand.in_use())
+    prom.register(ResidencyCollector(registry, registry.on_demand))
     prom.register(StatsCollector(registry.stats, lambda: server_budget.held, lambda: loop_load.busy_ratio))
     return Engine(prom, registry, loop_load, server_budget, control)

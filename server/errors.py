@@ -63,3 +63,7 @@ class UnknownError(FerryError):
 
 class RequestCancelledError(FerryError):
     """A request answered as cancelled (a Python model's TritonError.CANCELLED): gRPC CANCELLED."""
+
+
+class ResourceExhaustedError(FerryError):
+    """The server lacks the resource the request needs (a model that does not fit its memory budget)."""

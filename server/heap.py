@@ -45,6 +45,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 * 2**20  # glibc's largest: allocations up to this size come from the heap
 TRIM_THRESHOLD = 2**31 - 1  # never give the heap's top back between steps
 GEN0_THRESHOLD = 3_000  # container allocations between two collections of the youngest generation (default 700)
+_kept = False  # keep() set glibc's thresholds (trim() lowers the trim threshold for its call only)
 ONEDNN_CACHE = "16384"  # oneDNN primitive cache entries (its default: 1,024), read at its first primitive
 
 
@@ -75,4 +76,24 @@ def keep() -> bool:
     except (OSError, AttributeError):
         return False
     log.debug("heap kept between steps: %s", done)
+    global _kept
+    _kept = done
     return done
+
+
+def trim() -> None:
+    """Hand the heap's free pages back to the kernel once (glibc's malloc_trim): after an eviction, so the
+    memory the evicted model held shows as free to the next load's measurement and to the operator. The
+    trim threshold `keep` raised also guards each thread arena's top, which malloc_trim alone leaves, so it
+    is lowered for the call and raised again."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        if not hasattr(libc, "malloc_trim"):
+            return
+        if _kept:
+            libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+        libc.malloc_trim(0)
+        if _kept:
+            libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    except OSError:
+        pass

@@ -71,6 +71,8 @@ def infer_request(mv: ModelVersion, inputs: dict[str, np.ndarray], requested: tu
 
 async def model_ready(mv: ModelVersion) -> bool:
     """Ready to serve: loaded and ready, and ready by the model's own check where it has one (is_ready)."""
+    if mv.cold:
+        return True  # on-demand model control: its first request loads it, so it can serve
     check = getattr(mv.runner, "model_ready", None) if mv.ready else None
     return mv.ready and (check is None or await check())
 

@@ -123,7 +123,6 @@ _UNAPPLIED = (("optimization", lambda c: c.HasField("optimization")),
               ("batch_input", lambda c: len(c.batch_input) > 0), ("batch_output", lambda c: len(c.batch_output) > 0),
               ("model_repository_agents", lambda c: c.HasField("model_repository_agents")),
               ("cc_model_filenames", lambda c: len(c.cc_model_filenames) > 0),
-              ("instance_group[].rate_limiter", lambda c: any(g.HasField("rate_limiter") for g in c.instance_group)),
               ("instance_group[].passive", lambda c: any(g.passive for g in c.instance_group)))
 
 

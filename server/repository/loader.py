@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from protos import model_config_pb2 as mc
-from server import backends
+from server import backends, heap
 from server.tensors import classification
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
 from server.names import is_version_folder
 from server.repository import config as config_io
-from server.repository import ensemble_config, warmup
+from server.repository import ensemble_config, footprint, warmup
 from server.tensors.signature import Signature
 
 log = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ class LoadedVersion:
     signature: Signature | None = None
     backends: list[Backend] = field(default_factory=list)
     error: str = ""
+    footprint: footprint.Footprint | None = None  # what its instances hold (None: not loaded, only described)
 
 
 def scan(root: Path) -> list[Path]:
@@ -66,10 +67,11 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
     return sorted(available)[-max(count, 1):]
 
 
-def load_model(model_dir: Path, default_max_batch_size: int,
-               config: mc.ModelConfig | None = None) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
+def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelConfig | None = None,
+               describe_only: bool = False) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
     """Read the config (or take `config`, a load request's override) and load every selected version;
-    raises ConfigError for model-wide problems."""
+    raises ConfigError for model-wide problems. `describe_only`: complete and check each version's config
+    and signature but build no instance (on-demand model control answers metadata before any load)."""
     if config is not None:
         base, source = copy.deepcopy(config), f"{model_dir.name} (the load request's 'config' parameter)"
     else:
@@ -93,7 +95,7 @@ def load_model(model_dir: Path, default_max_batch_size: int,
         try:
             if number not in on_disk:
                 raise ConfigError(f"{source}: version_policy names version {number} but {model_dir.name}/{number}/ does not exist")
-            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size)
+            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size, describe_only)
         except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the others
             error = exc.message if isinstance(exc, FerryError) else f"{model_dir.name}/{number}: {type(exc).__name__}: {exc}"
             entry.error = without_paths(error, model_dir)
@@ -105,7 +107,8 @@ def load_model(model_dir: Path, default_max_batch_size: int,
     return base, loaded
 
 
-def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, source: str, default_mbs: int) -> None:
+def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, source: str, default_mbs: int,
+                  describe_only: bool = False) -> None:
     config = copy.deepcopy(base)
     model_path = _model_file(config, backend_cls, version_dir)
     backend_cls.complete_config(config, model_path, default_mbs)
@@ -115,14 +118,23 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     signature = Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
     labels = classification.read_labels(config, version_dir.parent, source)
     entry.config, entry.signature = config, dataclasses.replace(signature, labels=labels)
-    for index, (device, name) in enumerate(_devices(config, backend_cls)):
+    declared = footprint.declared(config, source)
+    if describe_only:
+        return
+    placed = _placed(config, backend_cls)
+    gpus = {device.index for device, _, _ in placed if device.kind == "cuda"}
+    heap.trim()  # free pages the heap kept (the config's completion read the model file) would hide the load's own
+    before = footprint.snapshot(gpus)
+    for index, (device, group, name) in enumerate(placed):
         backend = backend_cls(config, model_path, device)
         backend.instance, backend.instance_name = index, name
+        backend.instance_group = group  # its rate_limiter (scheduling/rate_limiter.py)
         entry.backends.append(backend)
         backend.load()
     if config.model_warmup:
         _check_warmable(config, backend_cls, source)
         warmup.run(config, entry.signature, entry.backends, version_dir.parent, source)
+    entry.footprint = declared or footprint.measured(before, footprint.snapshot(gpus))
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
 
@@ -158,15 +170,15 @@ def _model_file(config: mc.ModelConfig, backend_cls, version_dir: Path) -> Path:
     raise ConfigError(f"{version_dir.parent.name}/{version_dir.name}/: model file {' or '.join(candidates)} is missing")
 
 
-def _devices(config: mc.ModelConfig, backend_cls) -> list[tuple[Device, str]]:
-    """Each instance's device and Triton's name for it: `<group>_<index in group>`, the group named by
-    its `name` or `<model>_<group index>` (so a one-instance model's is `<model>_0_0`, as model code sees
-    in `args["model_instance_name"]`)."""
-    named = []
+def _placed(config: mc.ModelConfig, backend_cls) -> list[tuple[Device, int, str]]:
+    """Each instance's device, the index of its instance group (whose rate_limiter it follows) and Triton's
+    name for it: `<group>_<index in group>`, the group named by its `name` or `<model>_<group index>` (so a
+    one-instance model's is `<model>_0_0`, as model code sees in `args["model_instance_name"]`)."""
+    placed = []
     for g, group in enumerate(config.instance_group):
         prefix = group.name or f"{config.name}_{g}"
-        named += [(device, f"{prefix}_{i}") for i, device in enumerate(_group_devices(config, group, backend_cls))]
-    return named
+        placed += [(device, g, f"{prefix}_{i}") for i, device in enumerate(_group_devices(config, group, backend_cls))]
+    return placed
 
 
 def _group_devices(config: mc.ModelConfig, group, backend_cls) -> list[Device]:

@@ -7,6 +7,7 @@ objects itself: the runner factory app.py hands it turns each loaded version int
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,11 +18,13 @@ from server import heap
 from server.defaults import DEFAULT_MAX_BATCH_SIZE, DRAIN_GRACE_S
 from server.errors import ConfigError, ModelNotFoundError, ModelUnavailableError
 from server.names import check_model_name, parse_version, shown
+from server.repository import footprint as footprints
 from server.repository import inline_load, loader
 from server.tensors.signature import Signature
 
 if TYPE_CHECKING:
     from server.observability.metrics import ModelStats
+    from server.repository.on_demand import OnDemand
     from server.runners.base import Runner
 
     BuildRunner = Callable[[str, loader.LoadedVersion], Runner]
@@ -29,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LOADING, READY, UNAVAILABLE, UNLOADING = "LOADING", "READY", "UNAVAILABLE", "UNLOADING"
+NOT_LOADED = "not loaded: loads on its first inference request (--model-control-mode on_demand)"
 
 
 @dataclass(slots=True)
@@ -40,6 +44,8 @@ class ModelVersion:
     config: mc.ModelConfig | None = None
     signature: Signature | None = None
     runner: Runner | None = None
+    cold: bool = False  # on-demand model control: described, not loaded; its first request loads it
+    footprint: footprints.Footprint | None = None  # what its instances hold while it is loaded
 
     @property
     def ready(self) -> bool:
@@ -70,6 +76,7 @@ class Registry:
         self._loading: set[str] = set()  # names being loaded with nothing registered yet: UNAVAILABLE, not NOT_FOUND
         self._folders: dict[str, Path] = {}  # the folder each model's serving versions came from
         self._staged: set[Path] = set()  # temporary folders of inline files (RepositoryModelLoad 'file:')
+        self.on_demand: OnDemand | None = None  # on-demand model control (server/repository/on_demand.py), set by the engine
 
     async def load_all(self, names: frozenset[str] | None = None) -> None:
         """Load every model folder, or only those named (explicit model control's start-up models)."""
@@ -102,6 +109,58 @@ class Registry:
                 self._forget_folder(staged)
         if error:
             raise ModelUnavailableError(f"failed to load model '{name}': {error}")
+
+    async def describe_all(self) -> None:
+        """On-demand model control: every model folder described (config, signature), none loaded."""
+        for model_dir in loader.scan(self.root):
+            name = model_dir.name
+            try:
+                _, described = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size, None, True)
+            except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
+                self._errors[name] = loader.without_paths(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}", model_dir)
+                log.error("model '%s' is unavailable: %s", name, self._errors[name])
+                continue
+            self._models[name] = {e.version: ModelVersion(name, e.version, UNAVAILABLE, e.error or NOT_LOADED, e.config, e.signature,
+                                                          cold=not e.error) for e in described}
+            self._folders[name] = model_dir
+
+    def is_cold(self, name: str) -> bool:
+        return any(mv.cold for mv in self._models.get(name, {}).values())
+
+    async def load_cold(self, name: str) -> str:
+        """Load a cold model from its folder; returns '' or why it failed (its versions stay cold: the next
+        request tries again)."""
+        for mv in self._models.get(name, {}).values():
+            if mv.cold:
+                mv.state, mv.reason = LOADING, "loading on demand"
+        error = await self._owned(self._locked(name, self._load(self.root / name)))
+        for mv in self._models.get(name, {}).values():
+            if not mv.ready:
+                mv.cold, mv.state = True, UNAVAILABLE
+        return error
+
+    async def evict(self, name: str, why: str) -> None:
+        """Unload an idle model, leaving it cold (its next request loads it again)."""
+        versions = list(self._models.get(name, {}).values())
+        for mv in versions:
+            mv.cold = True  # from now on a request for it waits for its next load, not for this unload
+        # no full collection (heap.reclaim): evictions come several a second under a tight budget, and each
+        # one walking every object on the event loop stalled the loaded models' requests (bench/many_models.py)
+        await self._owned(self._locked(name, self._retire(versions, self.drain_grace_s, reclaim=False)))
+        for mv in versions:
+            mv.state, mv.reason, mv.runner, mv.footprint = UNAVAILABLE, why, None, None
+        heap.trim()
+
+    def footprint(self, name: str) -> footprints.Footprint:
+        """What a model's ready versions hold together."""
+        total: dict[str, int] = {}
+        declared = True
+        for mv in self._models.get(name, {}).values():
+            if mv.ready and mv.footprint is not None:
+                declared &= mv.footprint.declared
+                for place, nbytes in mv.footprint.bytes_by_place.items():
+                    total[place] = total.get(place, 0) + nbytes
+        return footprints.Footprint(total, declared and bool(total))
 
     def _forget_folder(self, folder: Path | None) -> None:
         if folder in self._staged:
@@ -167,7 +226,7 @@ class Registry:
         return why
 
     def _start(self, name: str, entry: loader.LoadedVersion) -> ModelVersion:
-        mv = ModelVersion(name, entry.version, config=entry.config, signature=entry.signature)
+        mv = ModelVersion(name, entry.version, config=entry.config, signature=entry.signature, footprint=entry.footprint)
         if entry.error:
             mv.state, mv.reason = UNAVAILABLE, entry.error
             return mv
@@ -180,22 +239,25 @@ class Registry:
             return mv
         mv.runner.start()
         mv.state = READY
-        log.info("model '%s' version %d is READY (%d instance(s))", name, entry.version, len(entry.backends))
+        log.info("model '%s' version %d is READY (%d instance(s), memory %s)", name, entry.version, len(entry.backends),
+                 entry.footprint.shown() if entry.footprint else "unknown")
         return mv
 
     @staticmethod
-    async def _retire(versions: list[ModelVersion], grace_s: float) -> None:
+    async def _retire(versions: list[ModelVersion], grace_s: float, reclaim: bool = True) -> None:
         closing = []
         for mv in versions:
             if mv.runner is not None:
                 mv.state = UNLOADING
                 closing.append(mv.runner.close(grace_s))
         await asyncio.gather(*closing)
-        if closing:
+        if closing and reclaim:
             heap.reclaim()
 
-    def get(self, name: str, version: str = "") -> ModelVersion:
-        """The version a request should use; raises NOT_FOUND / UNAVAILABLE / INVALID_ARGUMENT errors."""
+    def get(self, name: str, version: str = "", cold_ok: bool = False) -> ModelVersion:
+        """The version a request should use; raises NOT_FOUND / UNAVAILABLE / INVALID_ARGUMENT errors.
+        `cold_ok`: a cold version (on-demand model control, not loaded) is returned too: it has a config
+        and a signature for metadata, no runner."""
         versions = self._models.get(name)
         if versions is None:
             if name in self._loading:
@@ -207,18 +269,23 @@ class Registry:
             mv = versions.get(parse_version(version))
             if mv is None:
                 raise ModelNotFoundError(f"Request for unknown model: '{name}' version {version} is not found")
-            if not mv.ready:
+            if not (mv.ready or cold_ok and mv.cold):
                 raise ModelUnavailableError(f"model '{name}' version {version} is not at ready state: {mv.state} {mv.reason}".rstrip())
             return mv
         if len(versions) == 1:  # the usual case: one version, nothing to choose
             (mv,) = versions.values()
-            if mv.ready:
+            if mv.ready or cold_ok and mv.cold:
                 return mv
-        ready = [v for v in versions.values() if v.ready]
+        ready = [v for v in versions.values() if v.ready or cold_ok and v.cold]
         if not ready:
             reasons = "; ".join(f"version {v.version}: {v.reason or v.state}" for v in versions.values())
             raise ModelUnavailableError(f"model '{name}' has no available versions ({reasons})")
         return max(ready, key=lambda v: v.version)
+
+    def lease(self, name: str, remaining_s: float | None):
+        """What an inference request holds while it is served: with on-demand model control, its model
+        loaded and kept resident (server/repository/on_demand.py); otherwise nothing."""
+        return contextlib.nullcontext() if self.on_demand is None else self.on_demand.lease(name, remaining_s)
 
     def on_disk(self, name: str) -> bool:
         """A model folder of this name is in the repository (loaded or not)."""
@@ -231,6 +298,10 @@ class Registry:
     def ready_versions(self, name: str) -> list[int]:
         return sorted(v.version for v in self._models.get(name, {}).values() if v.ready)
 
+    def listed_versions(self, name: str) -> list[int]:
+        """Versions that serve now or load on their first request (on-demand model control)."""
+        return sorted(v.version for v in self._models.get(name, {}).values() if v.ready or v.cold)
+
     def all_versions(self, name: str = "") -> list[ModelVersion]:
         names = [name] if name else sorted(self._models)
         return [mv for n in names for _, mv in sorted(self._models.get(n, {}).items())]
@@ -242,10 +313,15 @@ class Registry:
         """Every model found, loaded or not, sorted by name and version."""
         rows = [IndexRow(n, "", UNAVAILABLE, reason) for n, reason in self._errors.items()]
         rows += [IndexRow(n, "", LOADING, "") for n in self._loading if n not in self._models and n not in self._errors]
-        rows += [IndexRow(mv.name, str(mv.version), mv.state, mv.reason) for mv in self.all_versions()]
+        rows += [IndexRow(mv.name, str(mv.version), mv.state, mv.reason or _memory(mv)) for mv in self.all_versions()]
         return sorted(rows)
 
     async def close(self, grace_s: float) -> None:
         await self._retire(self.all_versions(), grace_s)
         for folder in list(self._staged):
             self._forget_folder(folder)
+
+
+def _memory(mv: ModelVersion) -> str:
+    """A ready version's index reason: the memory it holds (Triton leaves it empty; clients show it as text)."""
+    return f"memory: {mv.footprint.shown()}" if mv.ready and mv.footprint is not None else ""

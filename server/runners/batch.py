@@ -33,6 +33,7 @@ from server.runners.isolation import Outcome, run_isolated
 from server.runners.ordering import ResponseOrder
 from server.scheduling.base import Scheduler
 from server.scheduling.budget import ByteBudget
+from server.scheduling.rate_limiter import Need, RateLimiter
 from server.observability.tracing.batches import batch_ran
 from server.observability.tracing.record import QUEUE_START
 from server.worker import BatchResult, Worker
@@ -51,8 +52,13 @@ class ModelRunner(RunnerBase):
 
     def __init__(self, name: str, version: int, scheduler: Scheduler, workers: list[Worker], stats: ModelStats,
                  preserve_ordering: bool = False, budget: ByteBudget | None = None, loop_load: LoopLoad | None = None,
-                 cache: ResponseCache | None = None):
+                 cache: ResponseCache | None = None, limits: tuple[RateLimiter, list[Need]] | None = None):
         super().__init__(name, version, stats, budget)
+        # --rate-limit execution_count: each instance runs only while its group's resources are free
+        self._limiter, needs = limits if limits is not None and any(n.counts for n in limits[1]) else (None, [])
+        self._needs = dict(zip(workers, needs))
+        self._held: set[Worker] = set()  # instances holding their resources (about to run, or running)
+        self._granted: list[Worker] = []  # idle instances the limiter reserved resources for while they waited
         self.scheduler = scheduler
         self._cache = cache  # the server's response cache, when this model's config enables it
         self._cache_scope = f"{name}\0{version}\0{self.load_id}"
@@ -191,10 +197,44 @@ class ModelRunner(RunnerBase):
         # Draining: nobody else is coming, so every batching window counts as closed.
         cut_at = now if self._accepting else _FAR_FUTURE_NS
         while self._idle:
+            worker = self._idle[-1] if self._limiter is None else self._free_worker()
+            if worker is None:
+                break  # every idle instance waits for its resources; the limiter's grant brings a turn
             batch = self.scheduler.next_batch(cut_at)
             if batch is None:
+                self._unhold(worker)
                 break
-            self._dispatch(batch, now)
+            self._dispatch(batch, now, worker)
+
+    def _free_worker(self) -> Worker | None:
+        """An idle instance whose resources it holds now (reserved while it waited, or free), else None after
+        putting the idle instances in the limiter's line when requests wait."""
+        while self._granted:
+            worker = self._granted.pop()
+            if worker in self._held and worker in self._idle:
+                return worker
+        for worker in reversed(self._idle):
+            need = self._needs.get(worker)
+            if need is None or not need.counts:
+                return worker
+            if self._limiter.try_acquire(need):
+                self._held.add(worker)
+                return worker
+        if len(self.scheduler):
+            for worker in self._idle:
+                self._limiter.wait(worker, self._needs[worker], functools.partial(self._reserved, worker))
+        return None
+
+    def _reserved(self, worker: Worker) -> None:
+        """The limiter reserved `worker`'s resources for it: a turn uses them (or gives them back)."""
+        self._held.add(worker)
+        self._granted.append(worker)
+        self._turn_soon()
+
+    def _unhold(self, worker: Worker) -> None:
+        if worker in self._held:
+            self._held.discard(worker)
+            self._limiter.release(self._needs[worker])
 
     def _expire(self, now: int) -> None:
         for request in self.scheduler.expire(now):
@@ -204,8 +244,8 @@ class ModelRunner(RunnerBase):
                 f"request to model '{self.name}' waited {waited_ms:.1f} ms in the queue and its deadline "
                 "passed before it could run"))
 
-    def _dispatch(self, batch: Batch, now: int) -> None:
-        worker = self._idle.pop()
+    def _dispatch(self, batch: Batch, now: int, worker: Worker) -> None:
+        self._idle.remove(worker)
         if log.isEnabledFor(logging.DEBUG):  # `--log-level DEBUG`: one line per batch, to see what the window did
             self._trace(batch, now)
         self.stats.record_dispatched(batch.requests, now)  # queue times; DELAY requests past their deadline run late
@@ -326,6 +366,8 @@ class ModelRunner(RunnerBase):
         """Refill a freed instance at once, before its batch is answered: answering wakes one handler per
         request, and the instance would otherwise sit idle while the loop encodes and sends them all.
         The price: those answers wait for the next batch's inputs to be copied (~0.5 ms for 1.5 MB)."""
+        if self._limiter is not None:
+            self._unhold(worker)  # instances of other models waiting for these resources are served first
         self._idle.append(worker)
         if not self._accepting:
             self._wake.set()  # draining: the loop ends once every instance is back
@@ -350,6 +392,10 @@ class ModelRunner(RunnerBase):
 
     async def _shutdown(self) -> None:
         self._cut_off = True  # set before anything else runs: the loop may only be cancelling yet
+        if self._limiter is not None:
+            for worker in self.workers:
+                self._limiter.forget(worker)
+                self._unhold(worker)
         for worker in self.workers:
             await asyncio.to_thread(worker.close)
 

@@ -13,6 +13,7 @@ with the step named; its siblings still queued or running are cancelled (they le
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Callable, Protocol
 
@@ -48,14 +49,27 @@ class LateLookup:
 
     def __init__(self):
         self._lookup: StepLookup | None = None
+        self._lease = None
 
-    def bind(self, lookup: StepLookup) -> None:
-        self._lookup = lookup
+    def bind(self, lookup: StepLookup, lease=None) -> None:
+        """`lease(name, remaining_s)`: what a call holds while it runs (on-demand model control loads a cold
+        model first, server/repository/on_demand.py); none: nothing to hold."""
+        self._lookup, self._lease = lookup, lease
+
+    def lease(self, name: str, deadline_ns: int | None):
+        if self._lease is None:
+            return contextlib.nullcontext()
+        return self._lease(name, None if deadline_ns is None else max(0.0, (deadline_ns - time.monotonic_ns()) / 1e9))
 
     def __call__(self, name: str, version: str) -> StepModel:
         if self._lookup is None:
             raise ModelUnavailableError(f"model '{name}' cannot be looked up yet: the server is starting")
         return self._lookup(name, version)
+
+
+def _lease(lookup, name: str, deadline_ns: int | None):
+    lease = getattr(lookup, "lease", None)
+    return contextlib.nullcontext() if lease is None else lease(name, deadline_ns)
 
 
 class EnsembleRunner(RunnerBase):
@@ -139,23 +153,28 @@ class EnsembleRunner(RunnerBase):
         """The step's outputs, and their rows (the step request's batch size; 0 for a non-batching model)."""
         where = f"ensemble '{self.name}' step {number} (model '{step.model_name}')"
         try:
-            model = self.lookup(step.model_name, _version(step))
-            if model.runner.serves != INFER:
-                raise InvalidInputError(f"model '{model.name}' streams its answers and cannot be an ensemble step")
-            step_request = _step_request(model, step, request, tensors, rows)
-            if request.trace is not None:  # traced: the step's request is traced too, with parent_id
-                step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
-            try:
-                outputs = await model.runner.infer(step_request)
-                if step_request.trace is not None:
-                    step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
-                return outputs, step_request.batch_size if model.signature.batching else 0
-            finally:
-                if step_request.trace is not None:
-                    step_request.trace.mark(REQUEST_END)
-                    step_request.trace.finish()
+            async with _lease(self.lookup, step.model_name, request.deadline_ns):  # on demand: a cold step loads
+                return await self._call_step(step, request, tensors, rows)
         except FerryError as exc:
             raise type(exc)(f"{where} failed: {exc.message}") from exc
+
+    async def _call_step(self, step: Step, request: InferRequest, tensors: dict[str, np.ndarray],
+                         rows: dict[str, int]) -> tuple[dict[str, np.ndarray], int]:
+        model = self.lookup(step.model_name, _version(step))
+        if model.runner.serves != INFER:
+            raise InvalidInputError(f"model '{model.name}' streams its answers and cannot be an ensemble step")
+        step_request = _step_request(model, step, request, tensors, rows)
+        if request.trace is not None:  # traced: the step's request is traced too, with parent_id
+            step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
+        try:
+            outputs = await model.runner.infer(step_request)
+            if step_request.trace is not None:
+                step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
+            return outputs, step_request.batch_size if model.signature.batching else 0
+        finally:
+            if step_request.trace is not None:
+                step_request.trace.mark(REQUEST_END)
+                step_request.trace.finish()
 
     async def _loop(self) -> None:
         """Nothing to schedule: wait for the close, then for the requests still walking their steps."""

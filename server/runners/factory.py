@@ -30,11 +30,12 @@ from server.runners.sequence_inputs import SequenceInputs
 from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
 from server.runners.model_calls import LateControl, ModelCalls
-from server.runners.settings import (batching_settings, binpack_settings, generation_settings, request_queue,
+from server.runners.settings import (batching_settings, binpack_settings, generation_settings, instance_needs, request_queue,
                                      speculative_settings)
 from server.scheduling.base import Scheduler
 from server.scheduling.binpack import BinPackBatcher
 from server.scheduling.budget import ByteBudget
+from server.scheduling.rate_limiter import Need, RateLimiter
 from server.scheduling.continuous import ContinuousScheduler
 from server.scheduling.dynamic import DynamicBatcher
 from server.scheduling.kv_blocks import KVBlockPool
@@ -63,6 +64,7 @@ class RunnerFactory:
     control: LateControl = field(default_factory=LateControl)  # the server's model control, for pb_utils.load_model
     restarts: ModelProcessRestarts | None = None  # Python model processes started again after dying
     custom_metrics: CustomMetrics | None = None  # pb_utils.MetricFamily values, shown on /metrics
+    rate_limiter: RateLimiter | None = None  # --rate-limit execution_count: instance_group rate_limiter applied
 
     def __call__(self, name: str, entry: LoadedVersion) -> Runner:
         """A runner for `entry`, not started; raises ConfigError if the version cannot be served as configured."""
@@ -84,7 +86,21 @@ class RunnerFactory:
         workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
         return ModelRunner(name, entry.version, build_scheduler(entry.config, self.max_queued), workers, stats,
                            preserve_ordering=entry.config.dynamic_batching.preserve_ordering, budget=budget,
-                           loop_load=self.loop_load, cache=cache)
+                           loop_load=self.loop_load, cache=cache, limits=self._limits(name, entry))
+
+    def _limits(self, name: str, entry: LoadedVersion) -> tuple[RateLimiter, list[Need]] | None:
+        """Each instance's rate_limiter need, with --rate-limit execution_count; None without it (Triton's
+        default: the limiter is off and the setting has no effect)."""
+        declared = any(g.HasField("rate_limiter") for g in entry.config.instance_group)
+        if self.rate_limiter is None:
+            if declared:
+                log.info("model '%s': instance_group rate_limiter is not applied: the server runs without "
+                         "--rate-limit execution_count", name)
+            return None
+        needs = instance_needs(entry.config, [getattr(b, "instance_group", 0) for b in entry.backends],
+                               [str(b.device) for b in entry.backends])
+        self.rate_limiter.register(needs)
+        return self.rate_limiter, needs
 
     def _bind_calls(self, entry: LoadedVersion) -> None:
         """Python model processes reach the server (BLS, model control, metrics) through one ModelCalls."""

@@ -75,6 +75,15 @@ class ModelCalls:
 
     async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None,
                     parent) -> None:
+        lease = getattr(self.lookup, "lease", None)  # on-demand model control: a cold model loads first
+        try:
+            async with contextlib.nullcontext() if lease is None else lease(call.model, deadline_ns):
+                await self._call_leased(call, inputs, answer, deadline_ns, parent)
+        except FerryError as exc:  # its model's load failed, did not fit the budget, or outlasted the deadline
+            answer(None, (code_of(exc), exc.message), True)
+
+    async def _call_leased(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None,
+                           parent) -> None:
         trace, error = None, None
         try:
             model = self.lookup(call.model, call.version)

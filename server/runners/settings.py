@@ -17,6 +17,7 @@ from server.scheduling.binpack import BinPackSettings
 from server.scheduling.continuous import ContinuousSettings
 from server.scheduling.dynamic import BatchingSettings
 from server.scheduling.queue import DELAY, REJECT, QueuePolicy, RequestQueue
+from server.scheduling.rate_limiter import GLOBAL, Need
 from server.scheduling.sequence import DEFAULT_MAX_TOKENS
 from server.scheduling.speculative import SpeculativeSettings
 from server.scheduling.step_budget import AUTO
@@ -139,3 +140,17 @@ def speculative_settings(config: mc.ModelConfig) -> SpeculativeSettings | None:
         raise field_error(config.name, "generation.speculative.prompt_lookup_min",
                           f"{lookup_min} exceeds prompt_lookup_max {lookup_max}")
     return SpeculativeSettings(spec.num_speculative_tokens, lookup_max, lookup_min)
+
+
+def instance_needs(config: mc.ModelConfig, group_of_instance: list[int], device_of_instance: list[str]) -> list[Need]:
+    """Each instance's need, from its instance group's rate_limiter (none declared: an empty need)."""
+    needs = []
+    for group_index, device in zip(group_of_instance, device_of_instance):
+        group = config.instance_group[group_index] if group_index < len(config.instance_group) else None
+        if group is None or not group.HasField("rate_limiter"):
+            needs.append(Need())
+            continue
+        limiter = group.rate_limiter
+        counts = tuple(((r.name, GLOBAL if getattr(r, "global") else device), r.count) for r in limiter.resources)
+        needs.append(Need(counts, limiter.priority))
+    return needs

@@ -29,6 +29,7 @@ STATUS = {
     errors.DisabledError: grpc.StatusCode.PERMISSION_DENIED,  # the server's flags forbid it, whoever asks
     errors.UnknownError: grpc.StatusCode.UNKNOWN,
     errors.RequestCancelledError: grpc.StatusCode.CANCELLED,
+    errors.ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,  # a model larger than the memory budget
 }
 
 

@@ -82,16 +82,16 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
                 return pb.ModelReadyResponse(ready=False)
             self.registry.get(request.name)  # raises NOT_FOUND
         try:
-            return pb.ModelReadyResponse(ready=await model_ready(self.registry.get(request.name, request.version)))
+            return pb.ModelReadyResponse(ready=await model_ready(self.registry.get(request.name, request.version, cold_ok=True)))
         except (ModelNotFoundError, ModelUnavailableError):  # a known model whose version cannot serve
             return pb.ModelReadyResponse(ready=False)
 
     @translate_errors
     async def ModelMetadata(self, request, context):
-        mv = self.registry.get(request.name, request.version)
+        mv = self.registry.get(request.name, request.version, cold_ok=True)
         sig, config = mv.signature, mv.config
         response = pb.ModelMetadataResponse(
-            name=mv.name, versions=[str(v) for v in self.registry.ready_versions(mv.name)],
+            name=mv.name, versions=[str(v) for v in self.registry.listed_versions(mv.name)],
             platform=config.platform or config.backend,
         )
         for target, specs in ((response.inputs, sig.inputs), (response.outputs, sig.outputs)):
@@ -101,7 +101,7 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
 
     @translate_errors
     async def ModelConfig(self, request, context):
-        return pb.ModelConfigResponse(config=self.registry.get(request.name, request.version).config)
+        return pb.ModelConfigResponse(config=self.registry.get(request.name, request.version, cold_ok=True).config)
 
     @translate_errors
     async def ModelStatistics(self, request, context):
@@ -135,6 +135,12 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
 
     @translate_errors
     async def ModelInfer(self, request, context):
+        if self.registry.on_demand is not None:  # its model may have to load first (server/repository/on_demand.py)
+            async with self.registry.on_demand.lease(request.model_name, _wait_bound(request, context.time_remaining())):
+                return await self._model_infer(request, context)
+        return await self._model_infer(request, context)
+
+    async def _model_infer(self, request, context):
         arrival = time.monotonic_ns()
         if self.tracing.active:
             trace = self.tracing.begin(request.model_name, request.id, arrival, trace_doors.grpc_carrier(context))
@@ -211,6 +217,16 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
                 yield codec.encode_response(request, mv.version, outputs, tuple(n for n in wanted if n in outputs))
         if trace is not None:
             trace.mark(REQUEST_END)
+
+
+def _wait_bound(request: pb.ModelInferRequest, remaining_s: float | None) -> float | None:
+    """How long a request may wait for its model's on-demand load: its RPC deadline, or its own `timeout`
+    parameter (microseconds, as the queue counts it) when that comes first."""
+    if "timeout" in request.parameters:
+        timeout_us = request.parameters["timeout"].int64_param
+        if timeout_us > 0:
+            return timeout_us / 1e6 if remaining_s is None else min(remaining_s, timeout_us / 1e6)
+    return remaining_s
 
 
 def _reply(request: pb.ModelInferRequest, mv: ModelVersion, infer: InferRequest, outputs: dict, counts: dict[str, int],

@@ -99,18 +99,20 @@ async def _serve(registry, request, answer, out, previous, turn, deadline_ns, tr
             raise request.error
         if tracing is not None and tracing.active:
             trace = tracing.begin(request.model_name, request.id, arrival)
-        serves = registry.get(request.model_name, request.model_version).runner.serves
-        if serves == DECOUPLED and stream_one is not None:
-            turn.set_result(None)  # its responses interleave freely with the others
-            await _decoupled(stream_one(request, arrival, trace), request, out, trace)
-            return
-        if serves == GENERATE:
-            turn.set_result(None)  # decoupled: its responses interleave freely with the others
-            async with contextlib.aclosing(_generate(registry, request, arrival, deadline_ns, trace)) as responses:
-                async for response, final in responses:
-                    _put(out, pb.ModelStreamInferResponse(infer_response=_final(response, final)), trace, final)
-            return
-        response = pb.ModelStreamInferResponse(infer_response=_final(await infer_one(request, arrival, trace), True))
+        remaining = None if deadline_ns is None else max(0.0, (deadline_ns - arrival) / 1e9)
+        async with registry.lease(request.model_name, remaining):  # on demand: its model loaded first
+            serves = registry.get(request.model_name, request.model_version).runner.serves
+            if serves == DECOUPLED and stream_one is not None:
+                turn.set_result(None)  # its responses interleave freely with the others
+                await _decoupled(stream_one(request, arrival, trace), request, out, trace)
+                return
+            if serves == GENERATE:
+                turn.set_result(None)  # decoupled: its responses interleave freely with the others
+                async with contextlib.aclosing(_generate(registry, request, arrival, deadline_ns, trace)) as responses:
+                    async for response, final in responses:
+                        _put(out, pb.ModelStreamInferResponse(infer_response=_final(response, final)), trace, final)
+                return
+            response = pb.ModelStreamInferResponse(infer_response=_final(await infer_one(request, arrival, trace), True))
     except Exception as exc:  # noqa: BLE001 - one request's failure is reported on the stream, which goes on
         message = capped(exc.message if isinstance(exc, FerryError) else f"internal error: {type(exc).__name__}: {exc}")
         response = _failed(request, exc, message, errors_end)

@@ -34,11 +34,12 @@ STATUS = {
     errors.DisabledError: 403,
     errors.UnknownError: 400,  # Triton's HTTP status for UNKNOWN and CANCELLED
     errors.RequestCancelledError: 400,
+    errors.ResourceExhaustedError: 429,  # RESOURCE_EXHAUSTED's status in the gRPC-HTTP mapping
 }
 # OpenAI's `error.type` for each status, as its SDK raises them (BadRequestError, NotFoundError, ...).
 _OPENAI_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "invalid_request_error", 501: "invalid_request_error",
-                503: "service_unavailable", 504: "timeout"}
+                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
 def status_of(exc: BaseException) -> int:

@@ -101,27 +101,27 @@ class KServeRoutes:
         if not self.registry.knows(name):
             self.registry.get(name)  # raises NOT_FOUND
         try:
-            ready = await model_ready(self.registry.get(name, version))
+            ready = await model_ready(self.registry.get(name, version, cold_ok=True))
         except (ModelNotFoundError, ModelUnavailableError):  # a known model whose version cannot serve
             ready = False
         return JSONResponse({"name": name, "ready": ready}, status_code=200 if ready else 400)
 
     @kserve_errors
     async def model_metadata(self, request: Request) -> Response:
-        mv = self.registry.get(*_model(request))
+        mv = self.registry.get(*_model(request), cold_ok=True)
         sig = mv.signature
 
         def describe(specs):
             return [{"name": s.name, "datatype": s.datatype.api, "shape": s.shape_for_metadata(sig.batching)}
                     for s in specs.values()]
 
-        return JSONResponse({"name": mv.name, "versions": [str(v) for v in self.registry.ready_versions(mv.name)],
+        return JSONResponse({"name": mv.name, "versions": [str(v) for v in self.registry.listed_versions(mv.name)],
                              "platform": mv.config.platform or mv.config.backend,
                              "inputs": describe(sig.inputs), "outputs": describe(sig.outputs)})
 
     @kserve_errors
     async def model_config(self, request: Request) -> Response:
-        config = self.registry.get(*_model(request)).config
+        config = self.registry.get(*_model(request), cold_ok=True).config
         return JSONResponse(config_json(config))
 
     @kserve_errors
@@ -175,6 +175,10 @@ class KServeRoutes:
 
     @kserve_errors
     async def infer(self, request: Request) -> Response:
+        async with self.registry.lease(request.path_params.get("name", ""), None):  # on demand: loaded first
+            return await self._traced_infer(request)
+
+    async def _traced_infer(self, request: Request) -> Response:
         arrival = time.monotonic_ns()
         if self.tracing.active:
             trace = self.tracing.begin(request.path_params.get("name", ""), "", arrival, request.headers)
@@ -265,4 +269,7 @@ def _statistics(mv: ModelVersion) -> dict:
         "inference_stats": {k: duration(snap[k]) for k in INFER_DURATIONS},
         "batch_stats": [{"batch_size": size, **{k: duration(v) for k, v in times.items()}}
                         for size, times in snap["batches"].items()],
+        # Ferry's: what the version holds (server/repository/footprint.py), by place; Triton clients ignore it
+        "memory_bytes": dict(mv.footprint.bytes_by_place) if mv.footprint is not None else {},
+        "memory_declared": bool(mv.footprint is not None and mv.footprint.declared),
     }

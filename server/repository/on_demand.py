@@ -1,0 +1,156 @@
+"""On-demand model control: a model loads on its first inference request and the least recently used
+idle models leave when the memory budget needs their room.
+
+Requests hold a lease on their model (`lease`) from the moment they arrive until they are answered:
+a model with a lease is busy and never evicted. The first lease on a cold model starts its load;
+every other request for it waits on the same load, within its own deadline. Loads run one at a time,
+so each one's measured footprint (server/repository/footprint.py) is its own and each eviction
+decision sees the last one's result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server.errors import DeadlineExceededError, ModelUnavailableError, ResourceExhaustedError
+from server.repository.footprint import HOST, Footprint, declared, shown_size
+from server.repository.registry import Registry
+from server.repository.residency import Residency
+
+log = logging.getLogger("ferry")
+LRU, OVER_BUDGET = "lru", "over_budget"  # why a model was evicted: room for a load, or a load measured larger than expected
+
+
+@dataclass(slots=True)
+class LoadCounts:
+    """What /metrics shows of loads and evictions, by model."""
+
+    loads: Counter[str] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    load_seconds: Counter[str] = field(default_factory=Counter)
+    evictions: Counter[tuple[str, str]] = field(default_factory=Counter)  # (model, why)
+    waiting: Counter[str] = field(default_factory=Counter)  # requests waiting for their model's load now
+
+
+class OnDemand:
+    def __init__(self, registry: Registry, residency: Residency):
+        self.registry, self.residency = registry, residency
+        self.counts = LoadCounts()
+        self._users: Counter[str] = Counter()  # requests arrived and not yet answered, per model
+        self._loads: dict[str, asyncio.Task] = {}  # the one load in progress per model
+        self._one_at_a_time = asyncio.Lock()
+        self._sizes: dict[str, Footprint] = {}  # each model's last measured footprint: its next load's estimate
+        self._trims: set[asyncio.Task] = set()  # evictions after a load measured larger than expected
+
+    @contextlib.asynccontextmanager
+    async def lease(self, name: str, remaining_s: float | None = None):
+        """Hold `name` resident while the request is served; load it first if it is cold."""
+        self._users[name] += 1
+        try:
+            if self.registry.is_cold(name):
+                await self._wait_loaded(name, remaining_s)
+            self.residency.touch(name)
+            yield
+        finally:
+            self._users[name] -= 1
+            if not self._users[name]:
+                del self._users[name]
+
+    def idle(self, name: str) -> bool:
+        """Nothing queued or executing: no request holds a lease, no batch waits in its runners."""
+        if self._users[name] or name in self._loads:
+            return False
+        return all(mv.runner is None or not mv.runner.stats.pending for mv in self.registry.all_versions(name))
+
+    async def _wait_loaded(self, name: str, remaining_s: float | None) -> None:
+        task = self._loads.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._bring_in(name), name=f"load-on-demand-{name}")
+            self._loads[name] = task
+            task.add_done_callback(lambda _, n=name: self._loads.pop(n, None))
+            task.add_done_callback(_consume)
+        self.counts.waiting[name] += 1
+        try:
+            await asyncio.wait_for(asyncio.shield(task), remaining_s)  # a waiter that gives up leaves the load running
+        except TimeoutError:
+            raise DeadlineExceededError(f"model '{name}': the request's deadline passed while the model was loading on "
+                                        "demand (its first request loads it; raise the deadline for cold models)") from None
+        finally:
+            self.counts.waiting[name] -= 1
+
+    async def _bring_in(self, name: str) -> None:
+        async with self._one_at_a_time:
+            if not self.registry.is_cold(name):
+                return  # loaded by the time this load's turn came
+            need = self._expected(name)
+            for victim in self.residency.plan(name, need, self.idle):
+                await self._evict(victim, LRU, f"to make room for model '{name}' ({need.shown()} expected)")
+            began = time.monotonic()
+            error = await self.registry.load_cold(name)
+            seconds = time.monotonic() - began
+            self.counts.load_seconds[name] += seconds
+            if error:
+                self.counts.failures[name] += 1
+                log.error("model '%s' failed to load on demand after %.2f s: %s", name, seconds, error)
+                raise ModelUnavailableError(f"failed to load model '{name}': {error}")
+            self._admit(name, seconds)
+
+    def _admit(self, name: str, seconds: float) -> None:
+        footprint = self.registry.footprint(name)
+        configs = [mv.config for mv in self.registry.all_versions(name) if mv.ready]
+        self.residency.admit(name, footprint, configs[0] if configs else None)
+        self._sizes[name] = footprint
+        self.counts.loads[name] += 1
+        log.info("model '%s' loaded on demand in %.2f s (first request waiting): %s; model memory in use %s", name,
+                 seconds, footprint.shown(), self.in_use())
+        try:
+            self.residency.check_fits_alone(name, footprint)
+        except ResourceExhaustedError as exc:
+            log.warning("%s (measured after its load: it stays until it is idle)", exc.message)
+        trim = asyncio.get_running_loop().create_task(self._trim_excess(name))
+        self._trims.add(trim)
+        trim.add_done_callback(self._trims.discard)
+
+    async def _trim_excess(self, name: str) -> None:
+        async with self._one_at_a_time:
+            for victim in self.residency.excess(name, self.idle):
+                await self._evict(victim, OVER_BUDGET, f"model '{name}' measured {self.registry.footprint(name).shown()}, "
+                                                       "more than expected: back under the budget")
+
+    async def _evict(self, name: str, why: str, because: str) -> None:
+        gone = self.residency.evict(name)
+        await self.registry.evict(name, f"evicted {because}; loads again on its next request")
+        self.counts.evictions[(name, why)] += 1
+        log.info("model '%s' evicted (%s, least recently used and idle) %s: freed %s; model memory in use %s", name, why,
+                 because, gone.footprint.shown() if gone else "nothing", self.in_use())
+
+    def _expected(self, name: str) -> Footprint:
+        """The load's size before it happens: declared, else as last measured, else its files' size on disk."""
+        configs = [mv.config for mv in self.registry.all_versions(name) if mv.config is not None]
+        for config in configs:
+            found = declared(config, name)
+            if found is not None:
+                return Footprint({p: n * len(configs) for p, n in found.bytes_by_place.items()}, declared=True)
+        if name in self._sizes:
+            return self._sizes[name]
+        return Footprint({HOST: _files_size(self.registry.root / name)})
+
+    def in_use(self) -> str:
+        return ", ".join(f"{place} {shown_size(self.residency.used(place))} of {shown_size(limit)}"
+                         for place, limit in sorted(self.residency.budget.items())) or "no budget"
+
+
+def _files_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def _consume(task: asyncio.Task) -> None:
+    """A load nobody waits for any more (every waiter's deadline passed) must not log 'exception never retrieved'."""
+    if not task.cancelled():
+        task.exception()

@@ -1,0 +1,129 @@
+"""Which models are resident under the memory budget, and which to evict for the next one.
+
+Pure bookkeeping, no loading: the registry asks `plan` before a load (which idle models to unload so
+the newcomer fits), then reports what the load really took (`admit`) and what it unloaded (`evict`).
+Order is least recently used first, counted LRU-2 style: by each model's second-to-last request (`touch`
+on every request), then its last. A model that got a single request lately (a one-off in the long tail)
+leaves before one that is requested again and again, even if the hot one's last request is a little older:
+with plain LRU, under a Zipf-shaped load a burst of distinct tail models pushed the hot ones out
+(bench/many_models.py). A config's `eviction_priority` parameter (higher stays longer) comes before
+recency, and `pinned: "true"` models never leave.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from protos import model_config_pb2 as mc
+from server.errors import ResourceExhaustedError
+from server.repository.footprint import HOST, Footprint, parse_places, shown_size
+
+
+def parse_budget(values: list[str]) -> dict[str, int]:
+    """`--model-memory-budget` values ('2GiB' is host memory; 'cuda:0=30GiB' a device's) -> {place: bytes}."""
+    budget: dict[str, int] = {}
+    for value in values:
+        budget.update(parse_places(value))
+    return budget
+
+
+def pinned(config: mc.ModelConfig | None) -> bool:
+    if config is None or "pinned" not in config.parameters:
+        return False
+    return config.parameters["pinned"].string_value.strip().lower() in ("true", "1", "yes")
+
+
+def eviction_priority(config: mc.ModelConfig | None) -> int:
+    if config is None or "eviction_priority" not in config.parameters:
+        return 0
+    try:
+        return int(config.parameters["eviction_priority"].string_value)
+    except ValueError:
+        return 0
+
+
+@dataclass(slots=True)
+class Resident:
+    footprint: Footprint
+    pinned: bool = False
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class Residency:
+    budget: dict[str, int]  # place -> bytes; a place not named has no bound
+    resident: OrderedDict[str, Resident] = field(default_factory=OrderedDict)  # least recently used first
+    uses: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> (second-to-last, last) request tick
+    _ticks: itertools.count = field(default_factory=itertools.count)
+
+    def used(self, place: str = HOST) -> int:
+        return sum(r.footprint.bytes_by_place.get(place, 0) for r in self.resident.values())
+
+    def touch(self, name: str) -> None:
+        """A request for `name`: its history is kept whether it is resident or not (its next load will use it)."""
+        self.uses[name] = (self.uses.get(name, (-1, -1))[1], next(self._ticks))
+        if name in self.resident:
+            self.resident.move_to_end(name)
+
+    def check_fits_alone(self, name: str, need: Footprint) -> None:
+        """A model that would pass the budget with nothing else resident is refused, naming both sizes."""
+        for place, limit in self.budget.items():
+            size = need.bytes_by_place.get(place, 0)
+            if size > limit:
+                raise ResourceExhaustedError(
+                    f"model '{name}' needs {shown_size(size)} of {place} memory ({need.shown()}) but the model memory budget "
+                    f"is {shown_size(limit)} (--model-memory-budget): it cannot be loaded even with every other model unloaded")
+
+    def plan(self, name: str, need: Footprint, idle: Callable[[str], bool]) -> list[str]:
+        """The models to evict, in order, so that `need` fits beside the rest; raises when even evicting
+        every idle, unpinned model would not make room."""
+        self.check_fits_alone(name, need)
+        over = self._over(need)
+        if not over:
+            return []
+        order = {n: i for i, n in enumerate(self.resident)}
+        candidates = sorted((n for n, r in self.resident.items() if n != name and not r.pinned and idle(n)),
+                            key=lambda n: (self.resident[n].priority, *self.uses.get(n, (-1, -1)), order[n]))
+        victims = []
+        for victim in candidates:
+            if not over:
+                break
+            victims.append(victim)
+            over = self._over(need, set(victims))
+        if over:
+            place = next(iter(over))
+            raise ResourceExhaustedError(
+                f"model '{name}' needs {shown_size(need.bytes_by_place.get(place, 0))} of {place} memory but only "
+                f"{shown_size(self.budget[place] - self._used_without(place, set(victims)))} of the "
+                f"{shown_size(self.budget[place])} model memory budget can be freed: the rest is held by pinned models "
+                "or models with requests queued or executing; retry when they are idle")
+        return victims
+
+    def excess(self, keep: str, idle: Callable[[str], bool]) -> list[str]:
+        """After a load measured larger than planned: idle models to evict to come back under the budget."""
+        try:
+            return self.plan(keep, Footprint(), lambda n: n != keep and idle(n))
+        except ResourceExhaustedError:
+            return []  # nothing more can leave now; the next load tries again
+
+    def admit(self, name: str, footprint: Footprint, config: mc.ModelConfig | None) -> None:
+        self.resident[name] = Resident(footprint, pinned(config), eviction_priority(config))
+        self.resident.move_to_end(name)
+
+    def evict(self, name: str) -> Resident | None:
+        return self.resident.pop(name, None)
+
+    def _used_without(self, place: str, leaving: set[str]) -> int:
+        return sum(r.footprint.bytes_by_place.get(place, 0) for n, r in self.resident.items() if n not in leaving)
+
+    def _over(self, need: Footprint, leaving: frozenset[str] | set[str] = frozenset()) -> dict[str, int]:
+        """Places where `need` beside the residents (but those leaving) passes the budget -> by how much."""
+        over = {}
+        for place, limit in self.budget.items():
+            total = self._used_without(place, leaving) + need.bytes_by_place.get(place, 0)
+            if total > limit:
+                over[place] = total - limit
+        return over
