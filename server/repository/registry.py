@@ -313,7 +313,9 @@ class Registry:
         """Every model found, loaded or not, sorted by name and version."""
         rows = [IndexRow(n, "", UNAVAILABLE, reason) for n, reason in self._errors.items()]
         rows += [IndexRow(n, "", LOADING, "") for n in self._loading if n not in self._models and n not in self._errors]
-        rows += [IndexRow(mv.name, str(mv.version), mv.state, mv.reason or _memory(mv)) for mv in self.all_versions()]
+        shown = self.on_demand is not None  # elsewhere a ready row's reason stays empty, as Triton's (clients compare it)
+        rows += [IndexRow(mv.name, str(mv.version), mv.state, mv.reason or (_memory(mv) if shown else ""))
+                 for mv in self.all_versions()]
         return sorted(rows)
 
     async def close(self, grace_s: float) -> None:
@@ -323,5 +325,6 @@ class Registry:
 
 
 def _memory(mv: ModelVersion) -> str:
-    """A ready version's index reason: the memory it holds (Triton leaves it empty; clients show it as text)."""
+    """A ready version's index reason under on-demand model control: the memory it holds against the budget
+    (Triton leaves it empty; in the other modes Ferry does too, and the footprint is in statistics and /metrics)."""
     return f"memory: {mv.footprint.shown()}" if mv.ready and mv.footprint is not None else ""
