@@ -51,6 +51,7 @@ _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.
 class PythonBackend(Backend):
     name = "python"
     default_filename = "model.py"
+    takes_bf16 = True  # model code sees torch.bfloat16 through to_dlpack, as in Triton
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
         super().__init__(config, model_path, device)
