@@ -411,8 +411,9 @@ class Host:
 
 class _Responses:
     """The responses of a decoupled BLS call, as they come. `cancel()` (Triton's response iterator's)
-    cancels the call where it runs: the called model's is_cancelled() turns true, or a queued request
-    never runs; the iterator then ends with a CANCELLED error response."""
+    cancels the call's request where it runs: a queued request never runs (the iterator ends with a
+    CANCELLED error), a running model's is_cancelled() turns true, and what it still sends comes through
+    until its final response (a CANCELLED error where it honours the cancellation), as in Triton."""
 
     def __init__(self, items: queue.Queue, uncall):
         self._items, self._uncall, self._cancelled = items, uncall, False
