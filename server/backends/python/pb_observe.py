@@ -13,6 +13,13 @@ def _host():
     return pb_utils._the_host()
 
 
+def _refused(message: str) -> Exception:
+    """Triton refuses a metric misuse with TritonModelException (model code catches that one)."""
+    from server.backends.python import pb_utils
+
+    return pb_utils.TritonModelException(message)
+
+
 class LogLevel(enum.IntEnum):
     INFO = 0
     WARNING = 1
@@ -52,14 +59,14 @@ class MetricFamily:
 
     def __init__(self, name: str, description: str, kind: int, buckets=None):
         if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
-            raise ValueError(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM, got {kind!r}")
+            raise _refused(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM, got {kind!r}")
         self.name, self.description, self.kind = name, description, kind
         self.buckets = list(buckets) if buckets is not None else None
         _host().metric("family", self.name, self.description, self.kind, (), 0.0, self.buckets)
 
     def Metric(self, labels: dict | None = None, buckets=None) -> Metric:  # Triton's name
         if self.kind == self.HISTOGRAM and buckets is None and self.buckets is None:
-            raise ValueError(f"metric family '{self.name}' is a histogram: give its buckets")
+            raise _refused(f"metric family '{self.name}' is a histogram: give its buckets")
         return Metric(self, labels or {}, list(buckets) if buckets is not None else self.buckets)
 
 
@@ -77,23 +84,23 @@ class Metric:
 
     def increment(self, value: float) -> None:
         if self.family.kind == MetricFamily.HISTOGRAM:
-            raise ValueError(f"metric family '{self.family.name}' is a histogram: use observe")
+            raise _refused(f"metric family '{self.family.name}' is a histogram: use observe")
         if self.family.kind == MetricFamily.COUNTER and value < 0:
-            raise ValueError(f"metric family '{self.family.name}' is a counter: it cannot decrease")
+            raise _refused(f"metric family '{self.family.name}' is a counter: it cannot decrease")
         with self._lock:
             self._value += value
         self._send("inc", value)
 
     def set(self, value: float) -> None:
         if self.family.kind != MetricFamily.GAUGE:
-            raise ValueError(f"metric family '{self.family.name}' is not a gauge: only a gauge can be set")
+            raise _refused(f"metric family '{self.family.name}' is not a gauge: only a gauge can be set")
         with self._lock:
             self._value = float(value)
         self._send("set", value)
 
     def observe(self, value: float) -> None:
         if self.family.kind != MetricFamily.HISTOGRAM:
-            raise ValueError(f"metric family '{self.family.name}' is not a histogram: only a histogram observes")
+            raise _refused(f"metric family '{self.family.name}' is not a histogram: only a histogram observes")
         with self._lock:
             self._value += value
         self._send("observe", value)
