@@ -1,6 +1,7 @@
 """pb_utils metric misuse is refused with TritonModelException, the exception Triton's model code catches
 (qa/python_models/custom_metrics): a counter that would decrease or be set, a gauge asked to observe,
-a histogram metric without buckets. Anything else escaping would fail the request instead."""
+a histogram metric without buckets or with buckets
+not in strictly ascending order. Anything else escaping would fail the request instead."""
 
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ _MODEL = textwrap.dedent('''
             counter.increment(2.0)
             refused = 0
             for misuse in (lambda: counter.increment(-1.0), lambda: counter.set(5.0), lambda: gauge.observe(1.0),
-                           lambda: histogram.Metric(labels={"k": "v"})):
+                           lambda: histogram.Metric(labels={"k": "v"}), lambda: histogram.Metric(buckets=[2.5, 0.1, 1.0]),
+                           lambda: histogram.Metric(buckets=[1, 1, 2])):
                 try:
                     misuse()
                 except pb_utils.TritonModelException:
                     refused += 1
+            histogram.Metric(labels={"k": "empty"}, buckets=[])  # no buckets but +Inf: Triton takes it
             return [pb_utils.InferenceResponse([pb_utils.Tensor("REFUSED", np.array([refused], np.int32)),
                                                 pb_utils.Tensor("COUNT", np.array([counter.value()], np.float32))])]
 ''')
@@ -56,5 +59,5 @@ def server(tmp_path_factory):
 
 def test_metric_misuse_raises_triton_model_exception_and_leaves_the_value(server):
     outputs = kserve.infer(server.channel, "misuse", {"X": np.array([1.0], np.float32)})
-    assert outputs["REFUSED"].tolist() == [4]
+    assert outputs["REFUSED"].tolist() == [6]
     assert outputs["COUNT"].tolist() == [2.0]  # the refused decrement changed nothing

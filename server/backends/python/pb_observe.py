@@ -67,7 +67,11 @@ class MetricFamily:
     def Metric(self, labels: dict | None = None, buckets=None) -> Metric:  # Triton's name
         if self.kind == self.HISTOGRAM and buckets is None and self.buckets is None:
             raise _refused(f"metric family '{self.name}' is a histogram: give its buckets")
-        return Metric(self, labels or {}, list(buckets) if buckets is not None else self.buckets)
+        buckets = [float(b) for b in buckets] if buckets is not None else self.buckets
+        if buckets is not None and any(a >= b for a, b in zip(buckets, buckets[1:])):
+            raise _refused(f"metric family '{self.name}': histogram buckets must be in strictly ascending order, "
+                           f"got {buckets}")
+        return Metric(self, labels or {}, buckets)
 
 
 class Metric:
