@@ -1,7 +1,8 @@
 """pb_utils metric misuse is refused with TritonModelException, the exception Triton's model code catches
 (qa/python_models/custom_metrics): a counter that would decrease or be set, a gauge asked to observe,
 a histogram metric without buckets or with buckets
-not in strictly ascending order. Anything else escaping would fail the request instead."""
+not in strictly ascending order, a family
+named as a live one of another kind. A second Metric with the same labels is the same metric. Anything else escaping would fail the request instead."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ _MODEL = textwrap.dedent('''
                 except pb_utils.TritonModelException:
                     refused += 1
             histogram.Metric(labels={"k": "empty"}, buckets=[])  # no buckets but +Inf: Triton takes it
+            try:
+                Family("misuse_counter", "the same name, another kind", Family.GAUGE)
+            except pb_utils.TritonModelException:
+                refused += 1
+            twin = Family("misuse_counter", "a counter", Family.COUNTER).Metric(labels={"k": "v"})
+            twin.increment(1.5)  # the same family and labels: the same metric, as in Triton
             return [pb_utils.InferenceResponse([pb_utils.Tensor("REFUSED", np.array([refused], np.int32)),
                                                 pb_utils.Tensor("COUNT", np.array([counter.value()], np.float32))])]
 ''')
@@ -59,5 +66,5 @@ def server(tmp_path_factory):
 
 def test_metric_misuse_raises_triton_model_exception_and_leaves_the_value(server):
     outputs = kserve.infer(server.channel, "misuse", {"X": np.array([1.0], np.float32)})
-    assert outputs["REFUSED"].tolist() == [6]
-    assert outputs["COUNT"].tolist() == [2.0]  # the refused decrement changed nothing
+    assert outputs["REFUSED"].tolist() == [7]
+    assert outputs["COUNT"].tolist() == [3.5]  # 2 + its twin's 1.5; the refused decrement changed nothing

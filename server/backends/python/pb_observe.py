@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
 
 
 def _host():
@@ -60,8 +61,12 @@ class MetricFamily:
     def __init__(self, name: str, description: str, kind: int, buckets=None):
         if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
             raise _refused(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM, got {kind!r}")
+        known = _FAMILIES.get(name)
+        if known is not None and known.kind != kind:  # Triton: one name, one kind, while the family lives
+            raise _refused(f"metric family '{name}' exists already with another kind")
         self.name, self.description, self.kind = name, description, kind
         self.buckets = list(buckets) if buckets is not None else None
+        _FAMILIES[name] = self
         _host().metric("family", self.name, self.description, self.kind, (), 0.0, self.buckets)
 
     def Metric(self, labels: dict | None = None, buckets=None) -> Metric:  # Triton's name
@@ -74,12 +79,27 @@ class MetricFamily:
         return Metric(self, labels or {}, buckets)
 
 
+class _Value:
+    """What Metrics of one family and labels share: as in Triton, a second Metric with the same labels is the same metric."""
+
+    def __init__(self):
+        self.value = 0.0
+        self.lock = threading.Lock()
+
+
+# Live families by name and values by (family, labels), in this process: gone once model code drops them.
+_FAMILIES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_VALUES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 class Metric:
     def __init__(self, family: MetricFamily, labels: dict, buckets):
         self.family, self.buckets = family, buckets
         self.labels = tuple(sorted((str(k), str(v)) for k, v in labels.items()))
-        self._value = 0.0
-        self._lock = threading.Lock()
+        key = (family.name, family.kind, self.labels)
+        self._shared = _VALUES.get(key)
+        if self._shared is None:
+            self._shared = _VALUES[key] = _Value()
         self._send("create", 0.0)
 
     def _send(self, op: str, value: float) -> None:
@@ -91,24 +111,24 @@ class Metric:
             raise _refused(f"metric family '{self.family.name}' is a histogram: use observe")
         if self.family.kind == MetricFamily.COUNTER and value < 0:
             raise _refused(f"metric family '{self.family.name}' is a counter: it cannot decrease")
-        with self._lock:
-            self._value += value
+        with self._shared.lock:
+            self._shared.value += value
         self._send("inc", value)
 
     def set(self, value: float) -> None:
         if self.family.kind != MetricFamily.GAUGE:
             raise _refused(f"metric family '{self.family.name}' is not a gauge: only a gauge can be set")
-        with self._lock:
-            self._value = float(value)
+        with self._shared.lock:
+            self._shared.value = float(value)
         self._send("set", value)
 
     def observe(self, value: float) -> None:
         if self.family.kind != MetricFamily.HISTOGRAM:
             raise _refused(f"metric family '{self.family.name}' is not a histogram: only a histogram observes")
-        with self._lock:
-            self._value += value
+        with self._shared.lock:
+            self._shared.value += value
         self._send("observe", value)
 
     def value(self) -> float:
         """The counter's or gauge's value (a histogram's: the sum observed), as this process knows it."""
-        return self._value
+        return self._shared.value
