@@ -2,7 +2,7 @@
 (qa/python_models/custom_metrics): a counter that would decrease or be set, a gauge asked to observe,
 a histogram metric without buckets or with buckets
 not in strictly ascending order, a family
-named as a live one of another kind. A second Metric with the same labels is the same metric. Anything else escaping would fail the request instead."""
+named as a live one of another kind, a histogram's value(). A second Metric with the same labels is the same metric. Anything else escaping would fail the request instead."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ _MODEL = textwrap.dedent('''
             refused = 0
             for misuse in (lambda: counter.increment(-1.0), lambda: counter.set(5.0), lambda: gauge.observe(1.0),
                            lambda: histogram.Metric(labels={"k": "v"}), lambda: histogram.Metric(buckets=[2.5, 0.1, 1.0]),
-                           lambda: histogram.Metric(buckets=[1, 1, 2])):
+                           lambda: histogram.Metric(buckets=[1, 1, 2]),
+                           lambda: histogram.Metric(labels={"k": "h"}, buckets=[1.0]).value()):
                 try:
                     misuse()
                 except pb_utils.TritonModelException:
@@ -66,5 +67,5 @@ def server(tmp_path_factory):
 
 def test_metric_misuse_raises_triton_model_exception_and_leaves_the_value(server):
     outputs = kserve.infer(server.channel, "misuse", {"X": np.array([1.0], np.float32)})
-    assert outputs["REFUSED"].tolist() == [7]
+    assert outputs["REFUSED"].tolist() == [8]
     assert outputs["COUNT"].tolist() == [3.5]  # 2 + its twin's 1.5; the refused decrement changed nothing

@@ -130,5 +130,7 @@ class Metric:
         self._send("observe", value)
 
     def value(self) -> float:
-        """The counter's or gauge's value (a histogram's: the sum observed), as this process knows it."""
+        """The counter's or gauge's value, as this process knows it; a histogram has none (as in Triton)."""
+        if self.family.kind == MetricFamily.HISTOGRAM:
+            raise _refused(f"metric family '{self.family.name}' is a histogram: it has no single value")
         return self._shared.value
