@@ -41,6 +41,8 @@ class InferRequest:
     correlation_id: int | str = 0  # its sequence's, set by the runner of a sequence model (0: none)
     sequence_flags: int = 0  # Triton's request flags for that sequence: 1 its start, 2 its end
     rerun: Any = None  # set by an iterative sequence's runner: readies a request the model rescheduled for its next run
+    cancel: Any = None  # set by a decoupled runner while it holds it: Triton's request cancellation (a BLS iterator's
+    # cancel()): a queued request ends CANCELLED, a running one's is_cancelled() turns true and its responses still come
 
     def expired(self, now_ns: int) -> bool:
         return self.deadline_ns is not None and now_ns >= self.deadline_ns

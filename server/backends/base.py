@@ -41,6 +41,7 @@ class Backend(ABC):
     # is checked per request at decode, so one client's bad bytes never fail a batch.
     bytes_as_text: bool = False
     runs_batches: bool = True  # execute() takes a batch of inputs (False: a token-step engine); model_warmup needs it
+    takes_bf16: bool = False  # BF16 tensors (numpy arrays of ml_dtypes.bfloat16) reach execute() and may leave it
     instance: int = 0  # index among its model version's instances (0..count-1), set by the loader
     instance_name: str = ""  # Triton's name for it (`<model>_<group>_<index>`), set by the loader
     checks_ready: bool = False  # is_ready() asks the model (on a thread: it may block); else always ready

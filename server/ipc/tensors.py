@@ -42,7 +42,7 @@ def put(name: str, array: np.ndarray, arena: Arena | None, blocks: Allocator | N
     raw = tensors.to_raw(array) if array.dtype.kind in "OSU" else None
     nbytes = len(raw) if raw is not None else array.nbytes
     if raw is None and nbytes <= INLINE_BYTES:  # a bytearray: the reader's array is writable, as a block's is
-        return Tensor(name, api, tuple(array.shape), nbytes, None, bytearray(np.ascontiguousarray(array)))
+        return Tensor(name, api, tuple(array.shape), nbytes, None, bytearray(_bytes_of(array)))
     offset = blocks.allocate(nbytes) if blocks is not None and nbytes else None
     if offset is None:
         return Tensor(name, api, tuple(array.shape), nbytes, None, raw if raw is not None else array.tobytes())
@@ -51,6 +51,11 @@ def put(name: str, array: np.ndarray, arena: Arena | None, blocks: Allocator | N
     else:
         np.ndarray(array.shape, array.dtype, buffer=arena.mapping, offset=offset)[...] = array
     return Tensor(name, api, tuple(array.shape), nbytes, offset)
+
+
+def _bytes_of(array: np.ndarray) -> np.ndarray:
+    """The array's bytes as uint8: Python's buffer protocol cannot describe extension dtypes (bfloat16)."""
+    return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 
 
 def view(tensor: Tensor, arena: Arena | None, free: Callable[[int], None]) -> np.ndarray:

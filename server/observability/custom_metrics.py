@@ -85,9 +85,17 @@ class CustomMetrics(Collector):
                     below = 0
                     for bound, n in zip([*bounds, float("inf")], counts):
                         below += n
-                        metric.add_sample(f"{name}_bucket", {**dict(labels), "le": floatToGoString(bound)}, below)
+                        metric.add_sample(f"{name}_bucket", {**dict(labels), "le": _le(bound)}, below)
                     metric.add_sample(f"{name}_count", dict(labels), count)
                     metric.add_sample(f"{name}_sum", dict(labels), total)
                 else:
                     metric.add_sample(name, dict(labels), value)
             yield metric
+
+
+def _le(bound: float) -> str:
+    """A bucket bound as Triton prints its custom histograms' (prometheus-cpp): `1`, `2.5`, `+Inf`, where the
+    Python client would print `1.0`; model code and dashboards written for Triton match the text."""
+    if bound.is_integer() and abs(bound) < 1e15:
+        return str(int(bound))
+    return floatToGoString(bound)

@@ -143,7 +143,7 @@ def _validate_tensors(kind: str, tensors, source: str) -> None:
         if name in seen:
             raise field_error(source, f"{where}.name", f"repeats {name!r}")
         seen.add(name)
-        if tensor.data_type in (mc.TYPE_INVALID, mc.TYPE_BF16):
+        if tensor.data_type == mc.TYPE_INVALID:
             raise field_error(source, f"{where}.data_type",
                               f"of {name!r} must be a supported TYPE_* (got {mc.DataType.Name(tensor.data_type)})")
         if not tensor.dims:

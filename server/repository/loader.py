@@ -115,6 +115,7 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     if config.max_batch_size > 0 and config.WhichOneof("scheduling_choice") is None and not base.input:
         config.dynamic_batching.SetInParent()  # auto-completed batching models batch dynamically (as Triton)
     config_io.validate(config, source)
+    _check_bf16(config, backend_cls, source)
     signature = Signature.from_config(config, text_bytes=backend_cls.bytes_as_text)
     labels = classification.read_labels(config, version_dir.parent, source)
     entry.config, entry.signature = config, dataclasses.replace(signature, labels=labels)
@@ -137,6 +138,17 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     entry.footprint = declared or footprint.measured(before, footprint.snapshot(gpus))
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
+
+
+def _check_bf16(config: mc.ModelConfig, backend_cls, source: str) -> None:
+    """BF16 is served where the backend hands it on as such (the Python backend, through DLPack)."""
+    if backend_cls.takes_bf16:
+        return
+    for kind, tensors in (("input", config.input), ("output", config.output)):
+        for tensor in tensors:
+            if tensor.data_type == mc.TYPE_BF16:
+                raise ConfigError(f"{source}: {kind} {tensor.name!r} is TYPE_BF16, which the {backend_cls.name} backend "
+                                  "does not take in Ferry; BF16 is served by the python backend")
 
 
 def _check_warmable(config: mc.ModelConfig, backend_cls, source: str) -> None:

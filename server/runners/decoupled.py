@@ -44,7 +44,7 @@ import numpy as np
 
 from server.backends.base import STREAM_END, Backend
 from server.errors import (BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError,
-                           QueueFullError)
+                           QueueFullError, RequestCancelledError)
 from server.observability.metrics import ModelStats, failure_reason
 from server.observability.tracing.record import COMPUTE_END, COMPUTE_START, INFER_RESPONSE_COMPLETE, QUEUE_START
 from server.request import InferRequest, with_parameters_of
@@ -208,6 +208,7 @@ class DecoupledRunner(RunnerBase):
         if deadline_ns is not None and policy.timeout_action == REJECT:
             expiry = loop.call_later(max(deadline_ns - time.monotonic_ns(), 0) / 1e9, self._expire, waiting)
         self._dispatch()
+        request.cancel = functools.partial(self._cancel_request, waiting)
         try:
             stream = await waiting.opened  # a caller that leaves cancels it: its batch drops it
         except asyncio.CancelledError:
@@ -226,6 +227,24 @@ class DecoupledRunner(RunnerBase):
         finally:
             stream.cancel()  # nothing more to read: whatever the model still sends is dropped
             self._open.discard(stream)
+
+    def _cancel_request(self, waiting: _Waiting) -> None:
+        """Triton's request cancellation, its caller still reading: a queued request ends CANCELLED at once;
+        a running one is told (is_cancelled()) and its stream goes on until the model ends it."""
+        if not waiting.opened.done():
+            self._leave(waiting)
+            waiting.opened.set_exception(RequestCancelledError(f"model '{self.name}': the request was cancelled "
+                                                               "before it ran"))
+            return
+        if waiting.opened.cancelled() or waiting.opened.exception() is not None:
+            return
+        stream = waiting.opened.result()
+        tell = getattr(stream, "cancel_request", None)
+        if tell is not None:
+            tell()
+        else:  # a backend that cannot tell a running request: its caller stops hearing from it, as if it left
+            stream.cancel()
+            waiting.answers.put_nowait(RequestCancelledError(f"model '{self.name}': the request was cancelled"))
 
     def _leave(self, waiting: _Waiting) -> None:
         if waiting in self._waiting:

@@ -69,21 +69,23 @@ class ModelCalls:
         `parent`: the calling request's trace, when it is traced. Cancelling the returned future (the
         callers of the request that made it left) cancels the call in the called model's runner (a queued
         request never runs, a generation stops) and answers it CANCELLED."""
-        running = asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns, parent), self.loop)
+        held: list[InferRequest] = []  # the call's request, once made
+        running = asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns, parent, held), self.loop)
         running.add_done_callback(lambda done: done.cancelled() and answer(None, (p.CANCELLED, _CANCELLED), True))
+        running.cancel_request = lambda: self.loop.call_soon_threadsafe(_cancel_request, running, held)
         return running
 
     async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None,
-                    parent) -> None:
+                    parent, held: list) -> None:
         lease = getattr(self.lookup, "lease", None)  # on-demand model control: a cold model loads first
         try:
             async with contextlib.nullcontext() if lease is None else lease(call.model, deadline_ns):
-                await self._call_leased(call, inputs, answer, deadline_ns, parent)
+                await self._call_leased(call, inputs, answer, deadline_ns, parent, held)
         except FerryError as exc:  # its model's load failed, did not fit the budget, or outlasted the deadline
             answer(None, (code_of(exc), exc.message), True)
 
     async def _call_leased(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None,
-                           parent) -> None:
+                           parent, held: list) -> None:
         trace, error = None, None
         try:
             model = self.lookup(call.model, call.version)
@@ -95,6 +97,7 @@ class ModelCalls:
                 return
             request = _request(model, call, inputs, deadline_ns)
             request.trace = trace
+            held.append(request)
             _traced(trace, TENSOR_QUEUE_INPUT, request.inputs)
             del inputs
             if model.runner.serves == DECOUPLED:
@@ -160,6 +163,18 @@ class ModelCalls:
     def restarted(self, model: str, version: int) -> None:
         if self.restarts is not None:
             self.restarts.restarted(model, version)
+
+
+def _cancel_request(running: Future, held: list) -> None:
+    """On the loop: the caller cancelled its decoupled call (the response iterator's cancel()). As in Triton,
+    the called request is cancelled, not abandoned: the responses its model still sends reach the caller
+    (a model that honours the cancellation ends with CANCELLED). Where the runner has no such
+    cancellation (a model that is not decoupled, a generation), the call is cancelled outright."""
+    cancel = held[0].cancel if held else None
+    if cancel is not None:
+        cancel()
+    else:
+        running.cancel()
 
 
 def code_of(exc: FerryError) -> int:

@@ -1,10 +1,13 @@
 """One table for tensor element types: KServe API string, config enum name, numpy dtype.
 
 BYTES travels as numpy object arrays of Python `bytes`; everything else as fixed-size numpy dtypes.
+BF16 has no numpy type of its own: ml_dtypes' bfloat16 (numpy's extension dtype, as tritonclient uses)
+keeps it two bytes an element on every path, so raw bytes map to arrays without a copy.
 """
 
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 
@@ -27,6 +30,7 @@ _TABLE = [
     DataType("INT32", "TYPE_INT32", np.dtype(np.int32), 4),
     DataType("INT64", "TYPE_INT64", np.dtype(np.int64), 8),
     DataType("FP16", "TYPE_FP16", np.dtype(np.float16), 2),
+    DataType("BF16", "TYPE_BF16", np.dtype(ml_dtypes.bfloat16), 2),
     DataType("FP32", "TYPE_FP32", np.dtype(np.float32), 4),
     DataType("FP64", "TYPE_FP64", np.dtype(np.float64), 8),
     DataType("BYTES", "TYPE_STRING", np.dtype(object), 0),

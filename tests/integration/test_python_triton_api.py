@@ -113,8 +113,8 @@ def test_custom_metrics_of_every_kind_reach_the_metrics_page_and_logger_the_log(
     labels = {"model": "tmetrics", "version": "1"}
     assert server.metric("test_requests", **labels) == 3.0
     assert server.metric("test_last_x", **labels) == 50.0
-    assert server.metric("test_x_bucket", le="1.0", **labels) == 1.0
-    assert server.metric("test_x_bucket", le="10.0", **labels) == 2.0
+    assert server.metric("test_x_bucket", le="1", **labels) == 1.0
+    assert server.metric("test_x_bucket", le="10", **labels) == 2.0
     assert server.metric("test_x_count", **labels) == 3.0 and server.metric("test_x_sum", **labels) == 55.5
     import urllib.request
 

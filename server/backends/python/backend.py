@@ -51,6 +51,7 @@ _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.
 class PythonBackend(Backend):
     name = "python"
     default_filename = "model.py"
+    takes_bf16 = True  # model code sees torch.bfloat16 through to_dlpack, as in Triton
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):
         super().__init__(config, model_path, device)
@@ -303,7 +304,7 @@ class _Stream:
         self.backend, self.process, self.request = backend, process, request
         self._deliver, self._executed = deliver, executed
         self.call = 0  # set by the process before anything is sent
-        self._final = self._ran = self._left = self._closed = False
+        self._final = self._ran = self._left = self._closed = self._told = False
         self._lock = threading.Lock()  # answers come on the reader thread, the caller leaves on the event loop
 
     def put(self, answer) -> None:
@@ -331,10 +332,20 @@ class _Stream:
         """On the event loop: the caller went away (or has read the final response): the model's
         is_cancelled() turns true if it still runs; what it sends from now on is dropped."""
         with self._lock:
-            if not self._final and not self._left:
-                self.process.cancel(self.call)
+            self._tell()
             self._left = True
             self._close()
+
+    def cancel_request(self) -> None:
+        """On the event loop: the request is cancelled but its caller stays (Triton's request cancellation):
+        the model's is_cancelled() turns true, and whatever it still sends is delivered."""
+        with self._lock:
+            self._tell()
+
+    def _tell(self) -> None:
+        if not self._final and not self._left and not self._told:
+            self._told = True
+            self.process.cancel(self.call)
 
     def _end(self, last) -> None:
         if not self._final:

@@ -333,7 +333,7 @@ class Host:
         items = queue.Queue() if decoupled else None
         self._pending[ref] = (future, items)
         version = "" if request.model_version in (-1, "", None) else str(request.model_version)
-        sent = p.Call(request.model_name, version, [self._put(t.name(), t.as_numpy()) for t in request.inputs()],
+        sent = p.Call(request.model_name, version, [self._put(t.name(), t.array) for t in request.inputs()],
                       tuple(request.requested_output_names()), json.loads(request.parameters()), request.request_id(),
                       int(request.timeout()), decoupled, _trace_ref(request.trace()), request.correlation_id(),
                       request.flags())
@@ -399,7 +399,7 @@ class Host:
         if response.has_error():
             error = response.error()
             return p.Reply([], (error.code(), error.message()))
-        outputs = [self._put(t.name(), t.as_numpy()) for t in response.output_tensors()]
+        outputs = [self._put(t.name(), t.array) for t in response.output_tensors()]
         return p.Reply(outputs, None, json.loads(response.parameters()) or None)
 
     def _response(self, reply: p.Reply) -> pb.InferenceResponse:
@@ -411,8 +411,9 @@ class Host:
 
 class _Responses:
     """The responses of a decoupled BLS call, as they come. `cancel()` (Triton's response iterator's)
-    cancels the call where it runs: the called model's is_cancelled() turns true, or a queued request
-    never runs; the iterator then ends with a CANCELLED error response."""
+    cancels the call's request where it runs: a queued request never runs (the iterator ends with a
+    CANCELLED error), a running model's is_cancelled() turns true, and what it still sends comes through
+    until its final response (a CANCELLED error where it honours the cancellation), as in Triton."""
 
     def __init__(self, items: queue.Queue, uncall):
         self._items, self._uncall, self._cancelled = items, uncall, False

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
 
 
 def _host():
     from server.backends.python import pb_utils  # the one host of this process, installed before model.py runs
 
     return pb_utils._the_host()
+
+
+def _refused(message: str) -> Exception:
+    """Triton refuses a metric misuse with TritonModelException (model code catches that one)."""
+    from server.backends.python import pb_utils
+
+    return pb_utils.TritonModelException(message)
 
 
 class LogLevel(enum.IntEnum):
@@ -52,23 +60,46 @@ class MetricFamily:
 
     def __init__(self, name: str, description: str, kind: int, buckets=None):
         if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
-            raise ValueError(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM, got {kind!r}")
+            raise _refused(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM, got {kind!r}")
+        known = _FAMILIES.get(name)
+        if known is not None and known.kind != kind:  # Triton: one name, one kind, while the family lives
+            raise _refused(f"metric family '{name}' exists already with another kind")
         self.name, self.description, self.kind = name, description, kind
         self.buckets = list(buckets) if buckets is not None else None
+        _FAMILIES[name] = self
         _host().metric("family", self.name, self.description, self.kind, (), 0.0, self.buckets)
 
     def Metric(self, labels: dict | None = None, buckets=None) -> Metric:  # Triton's name
         if self.kind == self.HISTOGRAM and buckets is None and self.buckets is None:
-            raise ValueError(f"metric family '{self.name}' is a histogram: give its buckets")
-        return Metric(self, labels or {}, list(buckets) if buckets is not None else self.buckets)
+            raise _refused(f"metric family '{self.name}' is a histogram: give its buckets")
+        buckets = [float(b) for b in buckets] if buckets is not None else self.buckets
+        if buckets is not None and any(a >= b for a, b in zip(buckets, buckets[1:])):
+            raise _refused(f"metric family '{self.name}': histogram buckets must be in strictly ascending order, "
+                           f"got {buckets}")
+        return Metric(self, labels or {}, buckets)
+
+
+class _Value:
+    """What Metrics of one family and labels share: as in Triton, a second Metric with the same labels is the same metric."""
+
+    def __init__(self):
+        self.value = 0.0
+        self.lock = threading.Lock()
+
+
+# Live families by name and values by (family, labels), in this process: gone once model code drops them.
+_FAMILIES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_VALUES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 class Metric:
     def __init__(self, family: MetricFamily, labels: dict, buckets):
         self.family, self.buckets = family, buckets
         self.labels = tuple(sorted((str(k), str(v)) for k, v in labels.items()))
-        self._value = 0.0
-        self._lock = threading.Lock()
+        key = (family.name, family.kind, self.labels)
+        self._shared = _VALUES.get(key)
+        if self._shared is None:
+            self._shared = _VALUES[key] = _Value()
         self._send("create", 0.0)
 
     def _send(self, op: str, value: float) -> None:
@@ -77,27 +108,29 @@ class Metric:
 
     def increment(self, value: float) -> None:
         if self.family.kind == MetricFamily.HISTOGRAM:
-            raise ValueError(f"metric family '{self.family.name}' is a histogram: use observe")
+            raise _refused(f"metric family '{self.family.name}' is a histogram: use observe")
         if self.family.kind == MetricFamily.COUNTER and value < 0:
-            raise ValueError(f"metric family '{self.family.name}' is a counter: it cannot decrease")
-        with self._lock:
-            self._value += value
+            raise _refused(f"metric family '{self.family.name}' is a counter: it cannot decrease")
+        with self._shared.lock:
+            self._shared.value += value
         self._send("inc", value)
 
     def set(self, value: float) -> None:
         if self.family.kind != MetricFamily.GAUGE:
-            raise ValueError(f"metric family '{self.family.name}' is not a gauge: only a gauge can be set")
-        with self._lock:
-            self._value = float(value)
+            raise _refused(f"metric family '{self.family.name}' is not a gauge: only a gauge can be set")
+        with self._shared.lock:
+            self._shared.value = float(value)
         self._send("set", value)
 
     def observe(self, value: float) -> None:
         if self.family.kind != MetricFamily.HISTOGRAM:
-            raise ValueError(f"metric family '{self.family.name}' is not a histogram: only a histogram observes")
-        with self._lock:
-            self._value += value
+            raise _refused(f"metric family '{self.family.name}' is not a histogram: only a histogram observes")
+        with self._shared.lock:
+            self._shared.value += value
         self._send("observe", value)
 
     def value(self) -> float:
-        """The counter's or gauge's value (a histogram's: the sum observed), as this process knows it."""
-        return self._value
+        """The counter's or gauge's value, as this process knows it; a histogram has none (as in Triton)."""
+        if self.family.kind == MetricFamily.HISTOGRAM:
+            raise _refused(f"metric family '{self.family.name}' is a histogram: it has no single value")
+        return self._shared.value

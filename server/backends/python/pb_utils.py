@@ -14,6 +14,7 @@ import enum
 import json
 import struct
 
+import ml_dtypes
 import numpy as np
 
 from server.backends import nvidia
@@ -89,6 +90,8 @@ TRITON_STRING_TO_NUMPY = {
 }
 _TRITON_TYPES = [None, np.bool_, np.uint8, np.uint16, np.uint32, np.uint64, np.int8, np.int16, np.int32, np.int64,
                  np.float16, np.float32, np.float64, np.object_]  # TRITONSERVER_DataType numbers
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_TRITON_BF16 = 14  # TRITONSERVER_TYPE_BF16; numpy has no type for it, so the tables above leave it out (as Triton's do)
 
 
 def triton_string_to_numpy(triton_type_string: str):
@@ -102,6 +105,8 @@ def triton_to_numpy_type(data_type: int):
 def numpy_to_triton_type(data_type) -> int | None:
     if data_type in (np.object_, np.bytes_) or np.dtype(data_type).kind in "OSU":
         return 13
+    if np.dtype(data_type) == _BF16:
+        return _TRITON_BF16
     for number, numpy_type in enumerate(_TRITON_TYPES[1:13], start=1):
         if np.dtype(data_type) == np.dtype(numpy_type):
             return number
@@ -167,7 +172,15 @@ class Tensor:
     def name(self) -> str:
         return self._name
 
+    @property
+    def array(self) -> np.ndarray:
+        """The data whatever its dtype, BF16 included: what Ferry's own code sends on (not part of Triton's API)."""
+        return self._array
+
     def as_numpy(self) -> np.ndarray:
+        if self._array.dtype == _BF16:
+            raise TritonModelException(f"tensor '{self._name}': tensor dtype is BF16 and cannot be converted to numpy; "
+                                       "use to_dlpack() (torch.utils.dlpack.from_dlpack gives a torch.bfloat16 tensor)")
         return self._array
 
     def shape(self) -> list[int]:
@@ -182,6 +195,8 @@ class Tensor:
     def to_dlpack(self):
         if self._array.dtype == np.object_:
             raise TritonModelException(f"tensor '{self._name}' holds BYTES, which DLPack cannot carry")
+        if self._array.dtype == _BF16:  # numpy's DLPack has no bfloat16: torch carries it (models using BF16 have torch)
+            return _bf16_capsule(self._array)
         return self._array.__dlpack__()
 
     @staticmethod
@@ -192,12 +207,31 @@ class Tensor:
                                        "with __dlpack__")
         if hasattr(dlpack, "__dlpack_device__") and dlpack.__dlpack_device__()[0] != 1:
             raise TritonModelException(f"tensor '{name}' is on a GPU; Ferry's Python backend takes host tensors only")
-        if hasattr(dlpack, "__dlpack__"):
-            return Tensor(name, np.from_dlpack(dlpack))
-        return Tensor(name, np.from_dlpack(_Capsule(dlpack)))
+        source = dlpack if hasattr(dlpack, "__dlpack__") else _Capsule(dlpack)
+        try:
+            return Tensor(name, np.from_dlpack(source))
+        except (RuntimeError, BufferError):  # bfloat16, which numpy's DLPack import refuses; the capsule stays unused
+            return Tensor(name, _bf16_array(name, dlpack))
 
     def __repr__(self) -> str:
         return f"Tensor({self._name!r}, shape={list(self._array.shape)}, dtype={self._array.dtype})"
+
+
+def _bf16_capsule(array: np.ndarray):
+    import torch  # only BF16 needs it
+
+    bits = np.ascontiguousarray(array if array.flags.writeable else array.copy()).view(np.int16)
+    return torch.utils.dlpack.to_dlpack(torch.from_numpy(bits).view(torch.bfloat16))
+
+
+def _bf16_array(name: str, dlpack) -> np.ndarray:
+    """A host bfloat16 DLPack tensor as numpy's ml_dtypes.bfloat16, sharing its memory."""
+    import torch
+
+    tensor = torch.utils.dlpack.from_dlpack(dlpack)
+    if tensor.dtype != torch.bfloat16:
+        raise TritonModelException(f"tensor '{name}': DLPack dtype {tensor.dtype} has no Triton datatype")
+    return tensor.contiguous().view(torch.int16).numpy().view(_BF16)
 
 
 class _Capsule:

@@ -441,14 +441,11 @@ class ModelProcess:
             calls.control(*frame[2:], answer)
 
     def _uncall(self, ref: int) -> None:
-        """Model code cancelled a decoupled BLS call: it hears so at once, and the call is cancelled where
-        it runs (whatever it still answers is dropped by the model process)."""
-        future = self._bls.pop(ref, None)
-        if future is None:
-            return  # over already
-        self._send((p.CALLED, ref, p.Reply([], (p.CANCELLED, "the BLS call was cancelled by the model "
-                                                              "(its response iterator's cancel())")), True))
-        future.cancel()
+        """Model code cancelled a decoupled BLS call: its request is cancelled where it runs, as Triton's
+        iterator cancel() does, and the responses still sent reach the iterator until its final one."""
+        future = self._bls.get(ref)
+        if future is not None:
+            future.cancel_request()
 
     def _died(self) -> None:
         code = self.proc.wait()

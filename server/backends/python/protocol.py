@@ -28,7 +28,7 @@ Server -> model process:
 Model process -> server:
   CALL(ref, Call, call)                  BLS: run a request on another model's runner (for EXEC or STREAM `call`)
   UNCALL(ref)                            model code cancelled its decoupled BLS call (the response iterator's
-                                         cancel()): answered CALLED(ref, CANCELLED error, True)
+                                         cancel()): its request is cancelled; CALLED frames go on until the final one
   CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
   METRIC(op, family, labels, value)      custom metrics: the server owns the Prometheus families
   LOG(level, message)                    pb_utils.Logger

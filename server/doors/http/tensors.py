@@ -150,7 +150,7 @@ def _from_json(name: str, dtype: datatypes.DataType, shape: tuple[int, ...], dat
         parsed = np.asarray(data)
     except (ValueError, TypeError):  # ragged nesting
         raise InvalidInputError(f"input {shown(name)}: 'data' is not a regular (non-ragged) list of numbers") from None
-    kind = dtype.numpy.kind
+    kind = "f" if dtype.api == "BF16" else dtype.numpy.kind  # bfloat16 is numpy's void kind "V", a float all the same
     if parsed.size != count:
         raise InvalidInputError(f"input {shown(name)}: 'data' has {parsed.size} elements but shape {list(shape)} needs {count}")
     if count and parsed.dtype.kind not in _ACCEPTED_KINDS.get(kind, ""):
