@@ -109,6 +109,9 @@ def _serve_parser(sub) -> None:
                         help="let clients change what the server logs (LogSettings, POST /v2/logging); off by default")
     access.add_argument("--load-model", action="append", default=[], metavar="NAME",
                         help="explicit mode: load this model at start (repeatable; '*' loads all)")
+    access.add_argument("--backend-directory", type=Path, default=None, metavar="DIR",
+                        help="Triton's Python-based backends: a config's backend 'NAME' that is none of Ferry's runs "
+                             "DIR/NAME/model.py as the model's Python model (runs the code there; default: off)")
     access.add_argument("--allow-trace-settings", action="store_true",
                         help="let clients change the trace settings (TraceSetting, POST /v2/trace/setting); off by default")
     p.add_argument("--log-level", default="INFO")
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
         response_cache_bytes=_cache_bytes(parser, args.cache_config),
         trace=_trace_settings(parser, args.trace_config),
         allow_trace_settings=args.allow_trace_settings,
+        backend_directory=args.backend_directory.resolve() if args.backend_directory else None,
         **({} if args.frontend_arena_bytes is None else {"frontend_arena_bytes": args.frontend_arena_bytes}),
     )
     try:
@@ -203,6 +207,8 @@ def _check_serve_flags(parser: argparse.ArgumentParser, args) -> None:
     """Refuse flag combinations that cannot work, before anything starts."""
     if not args.model_repository.is_dir():
         parser.error(f"--model-repository {args.model_repository} is not a folder")
+    if args.backend_directory is not None and not args.backend_directory.is_dir():
+        parser.error(f"--backend-directory {args.backend_directory} is not a folder")
     if bool(args.tls_cert) != bool(args.tls_key):
         parser.error("--tls-cert and --tls-key go together")
     if args.tls_ca and not args.tls_cert:

@@ -71,6 +71,7 @@ class ServerConfig:
     response_cache_bytes: int = 0  # > 0: a response cache of this size for models that enable it (--cache-config)
     trace: TraceSettings = field(default_factory=TraceSettings)  # --trace-config (Triton's trace extension)
     allow_trace_settings: bool = False  # clients may change the trace settings (TraceSetting, POST /v2/trace/setting)
+    backend_directory: Path | None = None  # --backend-directory: Python-based backends (<dir>/<name>/model.py); None: off
 
 
 @dataclass(slots=True)

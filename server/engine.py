@@ -97,7 +97,8 @@ def build_engine(config: ServerConfig) -> Engine:
     factory = RunnerFactory(Histograms(prom), GenerationFamilies(prom), config.max_queued_requests, server_budget,
                             model_bytes, loop_load=loop_load, response_cache=cache, restarts=ModelProcessRestarts(prom),
                             custom_metrics=custom_metrics, rate_limiter=rate_limiter(config))
-    registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s)
+    registry = Registry(config.model_repository, factory, config.default_max_batch_size, config.drain_grace_s,
+                        config.backend_directory)
     factory.models.bind(registry.get, registry.lease)  # ensembles and BLS calls find (and load) their models at call time
     control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
     factory.control.bind(control)  # pb_utils.load_model / unload_model, under the same mode as the doors

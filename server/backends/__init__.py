@@ -26,9 +26,14 @@ _FILE_HINTS = {".onnx": "onnxruntime", ".pt": "pytorch", ".pt2": "pytorch", ".py
 def backend_class(name: str):
     target = _BACKENDS.get(name)
     if target is None:
-        raise ConfigError(f"unknown backend {name!r}; available: {sorted(_BACKENDS)}")
+        raise ConfigError(f"unknown backend {name!r}; available: {sorted(_BACKENDS)}, or a Python-based backend "
+                          f"(<dir>/{name}/model.py, served with `ferry serve --backend-directory <dir>`)")
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def is_builtin(name: str) -> bool:
+    return name in _BACKENDS
 
 
 def resolve_backend_name(config: mc.ModelConfig, version_dirs: list[Path], source: str) -> str:

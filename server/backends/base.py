@@ -44,6 +44,7 @@ class Backend(ABC):
     takes_bf16: bool = False  # BF16 tensors (numpy arrays of ml_dtypes.bfloat16) reach execute() and may leave it
     instance: int = 0  # index among its model version's instances (0..count-1), set by the loader
     instance_name: str = ""  # Triton's name for it (`<model>_<group>_<index>`), set by the loader
+    version_dir: Path | None = None  # the model's version folder, set by the loader (the model file may live elsewhere)
     checks_ready: bool = False  # is_ready() asks the model (on a thread: it may block); else always ready
 
     def __init__(self, config: mc.ModelConfig, model_path: Path, device: Device):

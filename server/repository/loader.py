@@ -14,6 +14,7 @@ from pathlib import Path
 
 from protos import model_config_pb2 as mc
 from server import backends, heap
+from server.backends import python_based
 from server.tensors import classification
 from server.backends.base import Backend, Device
 from server.errors import ConfigError, FerryError
@@ -68,10 +69,11 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
 
 
 def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelConfig | None = None,
-               describe_only: bool = False) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
+               describe_only: bool = False, backend_directory: Path | None = None) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
     """Read the config (or take `config`, a load request's override) and load every selected version;
     raises ConfigError for model-wide problems. `describe_only`: complete and check each version's config
-    and signature but build no instance (on-demand model control answers metadata before any load)."""
+    and signature but build no instance (on-demand model control answers metadata before any load).
+    `backend_directory`: where Python-based backends live (`ferry serve --backend-directory`)."""
     if config is not None:
         base, source = copy.deepcopy(config), f"{model_dir.name} (the load request's 'config' parameter)"
     else:
@@ -84,7 +86,11 @@ def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelCon
     if ensemble_config.is_ensemble(base):
         return base, [_ensemble_version(base, number, on_disk, source) for number in
                       select_versions(base.version_policy, list(on_disk))]
-    name = backends.resolve_backend_name(base, list(on_disk.values()), source)
+    runtime = None if backends.is_builtin(base.backend) else python_based.runtime_path(base, backend_directory, source)
+    if runtime is not None:  # the backend's model.py serves this model as if it were in each version folder
+        base.runtime, name = python_based.RUNTIME, "python"
+    else:
+        name = backends.resolve_backend_name(base, list(on_disk.values()), source)
     if not base.backend:
         base.backend = name
     backend_cls = backends.backend_class(name)
@@ -95,7 +101,7 @@ def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelCon
         try:
             if number not in on_disk:
                 raise ConfigError(f"{source}: version_policy names version {number} but {model_dir.name}/{number}/ does not exist")
-            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size, describe_only)
+            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size, describe_only, runtime)
         except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the others
             error = exc.message if isinstance(exc, FerryError) else f"{model_dir.name}/{number}: {type(exc).__name__}: {exc}"
             entry.error = without_paths(error, model_dir)
@@ -108,9 +114,9 @@ def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelCon
 
 
 def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, source: str, default_mbs: int,
-                  describe_only: bool = False) -> None:
+                  describe_only: bool = False, runtime: Path | None = None) -> None:
     config = copy.deepcopy(base)
-    model_path = _model_file(config, backend_cls, version_dir)
+    model_path = runtime or _model_file(config, backend_cls, version_dir)
     backend_cls.complete_config(config, model_path, default_mbs)
     if config.max_batch_size > 0 and config.WhichOneof("scheduling_choice") is None and not base.input:
         config.dynamic_batching.SetInParent()  # auto-completed batching models batch dynamically (as Triton)
@@ -128,7 +134,7 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     before = footprint.snapshot(gpus)
     for index, (device, group, name) in enumerate(placed):
         backend = backend_cls(config, model_path, device)
-        backend.instance, backend.instance_name = index, name
+        backend.instance, backend.instance_name, backend.version_dir = index, name, version_dir
         backend.instance_group = group  # its rate_limiter (scheduling/rate_limiter.py)
         entry.backends.append(backend)
         backend.load()

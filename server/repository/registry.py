@@ -64,8 +64,9 @@ class IndexRow:
 
 class Registry:
     def __init__(self, root: Path, build_runner: BuildRunner, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
-                 drain_grace_s: float = DRAIN_GRACE_S):
+                 drain_grace_s: float = DRAIN_GRACE_S, backend_directory: Path | None = None):
         self.root = root
+        self.backend_directory = backend_directory  # Python-based backends (`--backend-directory`), None: off
         self.build_runner = build_runner
         self.default_max_batch_size = default_max_batch_size
         self.drain_grace_s = drain_grace_s  # for versions retired by a reload or unload
@@ -115,7 +116,8 @@ class Registry:
         for model_dir in loader.scan(self.root):
             name = model_dir.name
             try:
-                _, described = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size, None, True)
+                _, described = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size, None, True,
+                                                         self.backend_directory)
             except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
                 self._errors[name] = loader.without_paths(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}", model_dir)
                 log.error("model '%s' is unavailable: %s", name, self._errors[name])
@@ -204,7 +206,8 @@ class Registry:
     async def _load_folder(self, model_dir: Path, config: mc.ModelConfig | None) -> str:
         name = model_dir.name
         try:
-            _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size, config)
+            _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size, config,
+                                                 False, self.backend_directory)
         except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
             reason = loader.without_paths(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}", model_dir)
             log.error("model '%s' is unavailable: %s", name, reason)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from protos import model_config_pb2 as mc
-from server.backends import GENERATION
+from server.backends import GENERATION, python_based
 from server.defaults import DEFAULT_SEQUENCE_IDLE_US, MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
 from server.observability.custom_metrics import CustomMetrics
@@ -169,7 +169,7 @@ def _iterative(name: str, config: mc.ModelConfig) -> bool:
     nothing, so it is refused rather than ignored."""
     if not config.sequence_batching.iterative_sequence:
         return False
-    if config.backend != "python":
+    if not python_based.is_python(config):
         raise ConfigError(f"model '{name}': sequence_batching.iterative_sequence needs a model that reschedules "
                           f"its requests (the python backend's set_release_flags), not backend {config.backend!r}")
     return True
@@ -180,7 +180,7 @@ _DECOUPLED_QUEUE_FIELDS = ("max_queue_delay_microseconds", "preserve_ordering", 
 
 
 def decoupled_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget) -> DecoupledRunner:
-    if entry.config.backend != "python":
+    if not python_based.is_python(entry.config):
         raise ConfigError(f"model '{name}': model_transaction_policy.decoupled needs the python backend "
                           f"(a model.py whose execute yields responses), not {entry.config.backend!r}")
     config = entry.config

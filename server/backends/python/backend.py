@@ -124,8 +124,13 @@ class PythonBackend(Backend):
         return process
 
     @property
+    def _version_dir(self) -> Path:
+        """The model's version folder: model.py's own, except for a Python-based backend's shared model.py."""
+        return self.version_dir or self.model_path.parent
+
+    @property
     def version(self) -> int:
-        return int(self.model_path.parent.name) if self.model_path.parent.name.isdigit() else 0
+        return int(self._version_dir.name) if self._version_dir.name.isdigit() else 0
 
     def _args(self) -> dict:
         config = config_json(self.config)
@@ -133,9 +138,9 @@ class PythonBackend(Backend):
             "model_config": json.dumps(config), "model_instance_kind": "GPU" if self.device.kind == "cuda" else "CPU",
             "model_instance_device_id": str(self.device.index),
             "model_instance_name": self.instance_name or f"{self.config.name}_0_{self.instance}",
-            "model_repository": str(self.model_path.parent.parent), "model_version": str(self.version),
+            "model_repository": str(self._version_dir.parent), "model_version": str(self.version),
             "model_name": self.config.name,
-            "ferry_model_path": str(self.model_path), "ferry_config": config, "ferry_version_dir": str(self.model_path.parent),
+            "ferry_model_path": str(self.model_path), "ferry_config": config, "ferry_version_dir": str(self._version_dir),
             "ferry_device": str(self.device), "ferry_instance": self.instance,
         }
 

@@ -185,6 +185,7 @@ class Host:
 
     def _init(self, args: dict) -> None:
         try:
+            pb.set_model_dir(args.get("ferry_version_dir", ""))
             module = faces.import_model(Path(args["ferry_model_path"]))
             self.face = faces.face_of(module, Path(args["ferry_model_path"]), self.loop)
             batching = json.loads(args.get("model_config") or "{}").get("sequence_batching") or {}

@@ -28,6 +28,20 @@ def install(host) -> None:
     _host = host
 
 
+_model_dir = ""  # the model's version folder, set by the model process before model.py runs
+
+
+def set_model_dir(path: str) -> None:
+    global _model_dir  # module-level, as Triton's get_model_dir
+    _model_dir = path
+
+
+def get_model_dir() -> str:
+    """The model's version folder: for a Python-based backend, the served model's, not the backend's
+    (where the shared model.py finds each model's own files)."""
+    return _model_dir
+
+
 def _the_host():
     if _host is None:
         raise TritonModelException("this call needs a running model process (it works inside Ferry's Python backend)")
