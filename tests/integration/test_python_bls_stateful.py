@@ -2,8 +2,8 @@
 a BLS request to a stateful model carries its correlation id and sequence flags
 (`InferenceRequest(correlation_id=..., flags=TRITONSERVER_REQUEST_FLAG_SEQUENCE_START)`), so the
 sequence model sees one sequence across calls; and a decoupled BLS call's response iterator has
-`cancel()`, which cancels the call where it runs (the called model's is_cancelled() turns true) and
-ends the iterator with a CANCELLED error."""
+`cancel()`, which cancels the call where it runs (the called model's is_cancelled() turns true); the
+iterator then ends when the called model ends its stream, as Triton's does."""
 
 from __future__ import annotations
 
@@ -149,8 +149,8 @@ def test_cancelling_a_decoupled_bls_iterator_cancels_the_call_where_it_runs(serv
     flag.unlink(missing_ok=True)
     out = json.loads(kserve.infer(server.channel, "tcancel_iter", {"ASYNC": np.array([asynchronous], np.int32)})["OUT"][0])
     assert out["before"] == [0, 1]
-    assert len(out["errors"]) == 1
-    message, code = out["errors"][0]
-    assert code == 7 and "cancelled by the model" in message  # TritonError.CANCELLED, saying who cancelled
+    # tendless honours the cancel by ending its stream with a plain final flag, so the drained iterator
+    # ends without an error (Triton's: cancel() tells the called model; the called model decides the end)
+    assert out["errors"] == []
     wait_for(flag.exists, 60, "tendless to see is_cancelled()")  # the called model saw it, and stopped
     assert kserve.infer(server.channel, "tseq_bls", {"CID": np.array([7], np.int32)})["OUT"].size == 1  # serving on
