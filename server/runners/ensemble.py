@@ -8,6 +8,12 @@ config's `input_map` / `output_map` say. A step starts as soon as its inputs exi
 branches (two encoders of one input, say) run at the same time and a request costs its longest path,
 not the sum of its steps, as in Triton's ensemble scheduler. A failing step fails the request at once,
 with the step named; its siblings still queued or running are cancelled (they leave their queues).
+
+A step model with a decoupled transaction policy (0..N responses a request) makes the ensemble
+decoupled while it serves, as in Triton: the ensemble then answers streaming calls only, and each
+response of such a step forks the rest of the walk with that response's tensors, so every response
+that reaches the ensemble's outputs becomes one response of the ensemble (two steps of two responses
+each in a chain: four). Forks run at the same time; a failing fork fails the request and cancels the rest.
 """
 
 from __future__ import annotations
@@ -15,17 +21,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Callable, Protocol
+from typing import AsyncIterator, Callable, Protocol
 
 import numpy as np
 
 from protos import model_config_pb2 as mc
 from server import response_cache
-from server.errors import FerryError, InvalidInputError, ModelUnavailableError
+from server.errors import BackendError, FerryError, InvalidInputError, ModelUnavailableError
 from server.observability.metrics import ModelStats
 from server.request import InferRequest
 from server.response_cache import ResponseCache
-from server.runners.base import INFER, Runner, RunnerBase
+from server.runners.base import DECOUPLED, INFER, Runner, RunnerBase
 from server.runners.ensemble_shapes import fit
 from server.tensors.signature import Signature
 from server.observability.tracing.record import (INFER_RESPONSE_COMPLETE, QUEUE_START, REQUEST_END,
@@ -73,7 +79,6 @@ def _lease(lookup, name: str, deadline_ns: int | None):
 
 
 class EnsembleRunner(RunnerBase):
-    serves = INFER
 
     def __init__(self, name: str, version: int, config: mc.ModelConfig, order: list[int], lookup: StepLookup,
                  stats: ModelStats, cache: ResponseCache | None = None):
@@ -86,6 +91,18 @@ class EnsembleRunner(RunnerBase):
         self.batching = config.max_batch_size > 0
         self.lookup = lookup
         self._in_flight = 0
+
+    @property
+    def serves(self) -> str:
+        """DECOUPLED while one of the step models serving now is decoupled (its responses fan out, so the
+        ensemble's do too), INFER otherwise; read per call, so a reloaded step model changes it."""
+        return DECOUPLED if any(self._streaming(step) for step in self.steps) else INFER
+
+    def _streaming(self, step: Step) -> bool:
+        try:
+            return self.lookup(step.model_name, _version(step)).runner.serves == DECOUPLED
+        except FerryError:  # not served now: a call fails naming the step
+            return False
 
     async def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
         self._admit_check()
@@ -176,6 +193,94 @@ class EnsembleRunner(RunnerBase):
                 step_request.trace.mark(REQUEST_END)
                 step_request.trace.finish()
 
+    async def stream(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
+        """The ensemble's responses when a step is decoupled: one for every fork of the walk that makes the
+        ensemble's outputs, as each is made (forks finish in any order)."""
+        self._admit_check()
+        self._in_flight += 1
+        if request.trace is not None:
+            request.trace.mark(QUEUE_START)
+        made: asyncio.Queue = asyncio.Queue()  # a fork's outputs, a fork's FerryError, or None: a fork ended
+        forks: set[asyncio.Task] = set()
+
+        def fork(tensors: dict[str, np.ndarray], rows: dict[str, int], waiting: list[tuple[int, Step]]) -> None:
+            task = asyncio.ensure_future(self._fork(request, tensors, rows, waiting, fork, made))
+            forks.add(task)
+            task.add_done_callback(lambda t: (forks.discard(t), made.put_nowait(None)))
+
+        failure = "CANCELED"
+        try:
+            fork(dict(request.inputs), dict.fromkeys(request.inputs, request.batch_size if self.batching else 0),
+                 list(zip(self.step_numbers, self.steps)))
+            while forks or not made.empty():
+                item = await made.get()
+                if isinstance(item, FerryError):
+                    failure = "BACKEND"
+                    raise item
+                if item is not None:
+                    if request.trace is not None:
+                        request.trace.mark(INFER_RESPONSE_COMPLETE)
+                    yield item
+            failure = ""
+        finally:
+            for task in forks:
+                task.cancel()
+            if forks:
+                await asyncio.gather(*forks, return_exceptions=True)
+            self._in_flight -= 1
+            if not self._accepting:
+                self._wake.set()
+            self.stats.record_done(time.monotonic_ns() - request.arrival_ns, ok=not failure, reason=failure)
+
+    async def _fork(self, request: InferRequest, tensors: dict[str, np.ndarray], rows: dict[str, int],
+                    waiting: list[tuple[int, Step]], fork, made: asyncio.Queue) -> None:
+        """Walk on from `tensors` until the outputs exist (put on `made`) or a decoupled step answers (each of
+        its responses forks what is left); a step's failure is put on `made` for the stream to raise."""
+        try:
+            while waiting:
+                ready, waiting = _partition(waiting, tensors)
+                plain = [item for item in ready if not self._streaming(item[1])]
+                streamed = [item for item in ready if self._streaming(item[1])]
+                answers = await asyncio.gather(*(self._run_step(n, step, request, tensors, rows) for n, step in plain))
+                for (_, step), answer in zip(plain, answers):
+                    _keep(step, answer, tensors, rows)
+                if streamed:  # the first decoupled step answers; the others run again in each fork
+                    (number, step), rest = streamed[0], streamed[1:] + waiting
+                    async with contextlib.aclosing(self._stream_step(number, step, request, tensors, rows)) as answers:
+                        async for answer in answers:
+                            branch, branch_rows = dict(tensors), dict(rows)
+                            _keep(step, answer, branch, branch_rows,
+                                  f"ensemble '{self.name}' step {number} (model '{step.model_name}')")
+                            fork(branch, branch_rows, list(rest))
+                    return
+            made.put_nowait({name: fit(tensors[name], self.output_dims[name], self.batching, rows[name])
+                             for name in self.outputs})
+        except FerryError as exc:
+            made.put_nowait(exc)
+
+    async def _stream_step(self, number: int, step: Step, request: InferRequest, tensors: dict[str, np.ndarray],
+                           rows: dict[str, int]) -> AsyncIterator[tuple[dict[str, np.ndarray], int]]:
+        """A decoupled step's responses, each with its rows (as `_run_step`'s one answer)."""
+        where = f"ensemble '{self.name}' step {number} (model '{step.model_name}')"
+        try:
+            async with _lease(self.lookup, step.model_name, request.deadline_ns):
+                model = self.lookup(step.model_name, _version(step))
+                step_request = _step_request(model, step, request, tensors, rows)
+                if request.trace is not None:
+                    step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
+                try:
+                    async with contextlib.aclosing(model.runner.stream(step_request)) as responses:
+                        async for outputs in responses:
+                            if step_request.trace is not None:
+                                step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
+                            yield outputs, step_request.batch_size if model.signature.batching else 0
+                finally:
+                    if step_request.trace is not None:
+                        step_request.trace.mark(REQUEST_END)
+                        step_request.trace.finish()
+        except FerryError as exc:
+            raise type(exc)(f"{where} failed: {exc.message}") from exc
+
     async def _loop(self) -> None:
         """Nothing to schedule: wait for the close, then for the requests still walking their steps."""
         while self._accepting or self._in_flight:
@@ -199,9 +304,12 @@ def _partition(waiting: list[tuple[int, Step]], tensors: dict[str, np.ndarray]):
 
 
 def _keep(step: Step, answer: tuple[dict[str, np.ndarray], int], tensors: dict[str, np.ndarray],
-          rows: dict[str, int]) -> None:
+          rows: dict[str, int], where: str = "") -> None:
     outputs, made_rows = answer
     for step_output, tensor in step.output_map.items():
+        if step_output not in outputs:  # a decoupled model may send a response without every output
+            raise BackendError(f"{where} sent a response without its output '{step_output}', which the ensemble "
+                               f"maps to '{tensor}'")
         tensors[tensor] = outputs[step_output]
         rows[tensor] = made_rows
 
