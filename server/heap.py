@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 import os
@@ -69,8 +70,8 @@ def keep() -> bool:
     environment already sets for oneDNN is kept."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        if not hasattr(libc, "gnu_get_libc_version"):
+        libc = libc_handle()
+        if libc is None or not hasattr(libc, "gnu_get_libc_version"):
             return False
         done = libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     except (OSError, AttributeError):
@@ -85,10 +86,11 @@ def trim() -> None:
     """Hand the heap's free pages back to the kernel once (glibc's malloc_trim): after an eviction, so the
     memory the evicted model held shows as free to the next load's measurement and to the operator. The
     trim threshold `keep` raised also guards each thread arena's top, which malloc_trim alone leaves, so it
-    is lowered for the call and raised again."""
+    is lowered for the call and raised again. It walks every arena, so callers on the event loop run it on
+    a thread (ctypes lets the GIL go for the call)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-        if not hasattr(libc, "malloc_trim"):
+        libc = libc_handle()
+        if libc is None or not hasattr(libc, "malloc_trim"):
             return
         if _kept:
             libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
@@ -97,3 +99,13 @@ def trim() -> None:
             libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
     except OSError:
         pass
+
+
+@functools.cache
+def libc_handle() -> ctypes.CDLL | None:
+    """The C library, looked up once: `find_library` runs `ldconfig -p` in a subprocess, which forked the
+    whole server for every eviction under on-demand loading (bench/many_models.py's profile)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except OSError:
+        return None

@@ -11,13 +11,13 @@ string_value: "64MiB" } }`), and then that is what counts.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import re
 import sys
 from dataclasses import dataclass, field
 
 from protos import model_config_pb2 as mc
+from server import heap
 from server.errors import ConfigError
 
 HOST = "host"
@@ -131,11 +131,11 @@ def _heap_in_use() -> int:
 
 
 def _libc():
+    libc = heap.libc_handle()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
         libc.mallinfo2.restype = _MallInfo2
         return libc
-    except (OSError, AttributeError):
+    except AttributeError:  # no libc found (None), or one without mallinfo2
         return None
 
 

@@ -151,7 +151,7 @@ class Registry:
         await self._owned(self._locked(name, self._retire(versions, self.drain_grace_s, reclaim=False)))
         for mv in versions:
             mv.state, mv.reason, mv.runner, mv.footprint = UNAVAILABLE, why, None, None
-        heap.trim()
+        await asyncio.to_thread(heap.trim)  # it walks every arena: not on the loop, where requests are served
 
     def footprint(self, name: str) -> footprints.Footprint:
         """What a model's ready versions hold together."""
