@@ -88,7 +88,7 @@ def serve_wrapped(argv: list[str]) -> None:
     if os.environ.get("FERRY_STORM_TRACEMALLOC"):
         import tracemalloc
 
-        tracemalloc.start(8)
+        tracemalloc.start(int(os.environ["FERRY_STORM_TRACEMALLOC"]))
     signal.signal(signal.SIGUSR1, lambda *a: _report())
     from server.__main__ import main as ferry_main
 
@@ -165,7 +165,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--storms", type=int, default=3)
     parser.add_argument("--inspect", action="store_true", help="count live objects by type after each storm")
-    parser.add_argument("--tracemalloc", action="store_true", help="with --inspect: tracemalloc's top sites too")
+    parser.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES",
+                        help="with --inspect: trace allocations, this many frames deep, and print the top sites")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
@@ -177,7 +178,7 @@ def main() -> None:
         if args.inspect:
             os.environ[DUMP_ENV] = str(dump)
             if args.tracemalloc:
-                os.environ["FERRY_STORM_TRACEMALLOC"] = "1"
+                os.environ["FERRY_STORM_TRACEMALLOC"] = str(args.tracemalloc)
         server = StormServer(repo, args.inspect)
         os.environ.clear()
         os.environ.update(env_before)
@@ -209,9 +210,10 @@ def main() -> None:
         grew = {t: last["by_type"].get(t, 0) - first["by_type"].get(t, 0) for t in last["by_type"]}
         grown = sorted(((t, d) for t, d in grew.items() if d), key=lambda kv: -kv[1])[:20]
         print("objects grown from storm 1 to the last:", json.dumps(dict(grown)))
-        if "top_sites" in last:
-            for site in last["top_sites"][:10]:
-                print("  ", site)
+        if "top_sites" in last:  # the sites that hold most now, with what they held after storm 1
+            earlier = {site: size for site, size, _ in first["top_sites"]}
+            for site, size, count in last["top_sites"][:15]:
+                print(f"   {size / 2**20:8.1f} MB ({(size - earlier.get(site, 0)) / 2**20:+.1f}) in {count} blocks: {site}")
     columns = ["after", "rss_mb", "kv_blocks_used", "seconds"] + (["objects", "heap_mb"] if args.inspect else [])
     print(common.table(rows, columns))
     base = rows[1]["rss_mb"]
