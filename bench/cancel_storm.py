@@ -81,7 +81,9 @@ def _report(*_) -> None:
         snapshot = tracemalloc.take_snapshot()
         report["traced_mb"] = round(sum(s.size for s in snapshot.statistics("filename")) / 2**20, 1)
         report["top_sites"] = [(str(s.traceback), s.size, s.count) for s in snapshot.statistics("lineno")[:25]]
-    Path(os.environ[DUMP_ENV]).write_text(json.dumps(report))
+    partial = Path(os.environ[DUMP_ENV] + ".partial")
+    partial.write_text(json.dumps(report))
+    partial.replace(os.environ[DUMP_ENV])  # whole or absent
 
 
 def serve_wrapped(argv: list[str]) -> None:
@@ -98,10 +100,9 @@ def serve_wrapped(argv: list[str]) -> None:
 def inspect(server: Server, dump: Path) -> dict:
     dump.unlink(missing_ok=True)
     os.kill(server.proc.pid, signal.SIGUSR1)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 600  # a tracemalloc snapshot of a busy server takes minutes
     while not dump.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
-    time.sleep(0.5)
     return json.loads(dump.read_text())
 
 
