@@ -26,6 +26,9 @@ INLINE_BYTES = 2048
 
 
 class Tensor(NamedTuple):
+    """Its fields by position too: `view` reads a plain tuple of the same layout, which a link may send
+    instead (a plain tuple pickles without a class lookup and a Python call each way)."""
+
     name: str
     datatype: str  # the KServe datatype, e.g. "FP32"
     shape: tuple[int, ...]
@@ -61,15 +64,15 @@ def _bytes_of(array: np.ndarray) -> np.ndarray:
 def view(tensor: Tensor, arena: Arena | None, free: Callable[[int], None]) -> np.ndarray:
     """The tensor as a numpy array over the arena (or the frame's bytes); `free(offset)` runs once the
     last view of an arena block is gone (for BYTES, at once: the parsed elements are copies)."""
-    dtype = datatypes.BY_API[tensor.datatype]
-    if tensor.offset is None:
-        return tensors.from_raw(tensor.name, dtype, tuple(tensor.shape), tensor.data)
-    array = tensors.from_raw(tensor.name, dtype, tuple(tensor.shape),
-                             arena.view[tensor.offset : tensor.offset + tensor.nbytes])
+    name, datatype, shape, nbytes, offset, *data = tensor  # a Tensor, or a plain tuple laid out as one
+    dtype = datatypes.BY_API[datatype]
+    if offset is None:
+        return tensors.from_raw(name, dtype, tuple(shape), data[0])
+    array = tensors.from_raw(name, dtype, tuple(shape), arena.view[offset : offset + nbytes])
     if array.dtype == object:
-        free(tensor.offset)
+        free(offset)
     else:
-        weakref.finalize(root(array), free, tensor.offset).atexit = False  # nobody is left to tell at exit
+        weakref.finalize(root(array), free, offset).atexit = False  # nobody is left to tell at exit
     return array
 
 

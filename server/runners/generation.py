@@ -207,22 +207,29 @@ class GenerationRunner(RunnerBase):
                 await self._idle(now)
                 continue
             self._mark_scheduled(plan, now)
-            outcome, timing = await loop.run_in_executor(self._thread, slow_steps.timed, run_step_isolated,
-                                                         self.backend.step, plan)
-            done = time.monotonic_ns()
-            self._fail_alone(outcome)
-            sampled, logprobs = outcome.sampled, self.backend.take_logprobs()
-            before = [(seq, seq.num_tokens) for seq, _ in outcome.ran.entries]
-            self.scheduler.postprocess(outcome.ran, sampled)
-            if outcome.ran:
-                self.stats.record_batch(len(sampled), len(outcome.ran.entries), 0, done - now, 0)
-            for seq, length in before:
-                new = seq.token_ids[length:]  # one token, or several when drafts were kept (speculative.py)
-                for i, token in enumerate(new):
-                    if seq.cancelled or seq.handle.done:
-                        break
-                    self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id), i), last=i == len(new) - 1)
-            self._measured(outcome, now, timing)
+            await self._step(loop, plan, now)
+            del plan
+
+    async def _step(self, loop, plan, now: int) -> None:
+        """Run one step and hand out its tokens. A method of its own so that its locals (the step's
+        sequences, their plan and outcome) are gone once it returns: the loop may idle for a long time
+        after the last step, and a cancelled sequence must not stay alive until the next one."""
+        outcome, timing = await loop.run_in_executor(self._thread, slow_steps.timed, run_step_isolated,
+                                                     self.backend.step, plan)
+        done = time.monotonic_ns()
+        self._fail_alone(outcome)
+        sampled, logprobs = outcome.sampled, self.backend.take_logprobs()
+        before = [(seq, seq.num_tokens) for seq, _ in outcome.ran.entries]
+        self.scheduler.postprocess(outcome.ran, sampled)
+        if outcome.ran:
+            self.stats.record_batch(len(sampled), len(outcome.ran.entries), 0, done - now, 0)
+        for seq, length in before:
+            new = seq.token_ids[length:]  # one token, or several when drafts were kept (speculative.py)
+            for i, token in enumerate(new):
+                if seq.cancelled or seq.handle.done:
+                    break
+                self._emit(seq, token, done, self._logprobs(logprobs.get(seq.seq_id), i), last=i == len(new) - 1)
+        self._measured(outcome, now, timing)
 
     def _measured(self, outcome: StepOutcome, started_ns: int, timing: slow_steps.StepTiming) -> None:
         """Feed the step-time target what this whole iteration cost (what a decode waited between two

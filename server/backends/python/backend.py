@@ -159,7 +159,7 @@ class PythonBackend(Backend):
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Ferry's `class Model`: the batch joined, one execute."""
         process = self._alive()
-        request = p.Request("", [process.put(n, a) for n, a in inputs.items()], (), {})
+        request = ("", [process.put(n, a) for n, a in inputs.items()], (), {}, 0, 0)  # a p.Request, as it travels
         del inputs
         reply = self._ask(process, [request])
         if isinstance(reply[0], FerryError):
@@ -208,7 +208,7 @@ class PythonBackend(Backend):
         """`send_requests` for Ferry's `class Model`: the batch joined, one execute; `answered(outputs or
         error)`."""
         process = self.process
-        request = p.Request("", [process.put(n, a) for n, a in inputs.items()], (), {})
+        request = ("", [process.put(n, a) for n, a in inputs.items()], (), {}, 0, 0)  # a p.Request, as it travels
         self._in_flight += 1
 
         def replied(replies) -> None:
@@ -219,7 +219,7 @@ class PythonBackend(Backend):
 
         process.send(p.EXEC, [request], replied)
 
-    def _ask(self, process: ModelProcess, sent: list[p.Request], deadline_ns: int | None = None,
+    def _ask(self, process: ModelProcess, sent: list[tuple], deadline_ns: int | None = None,
              callers: list[InferRequest] = ()) -> list:
         self._in_flight += 1
         try:
@@ -261,18 +261,20 @@ class PythonBackend(Backend):
         if process is not None and process.death is None and not process.on_loop:
             process.hand_over(asyncio.get_running_loop())
 
-    def _request(self, process: ModelProcess, request: InferRequest, inputs: dict[str, np.ndarray]) -> p.Request:
+    def _request(self, process: ModelProcess, request: InferRequest, inputs: dict[str, np.ndarray]) -> tuple:
+        """The request as it travels: a p.Request's fields in a plain tuple (protocol.py)."""
         params = request.parameters
-        return p.Request(request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
-                         dict(params) if params else {}, request.correlation_id, request.sequence_flags)
+        return (request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
+                dict(params) if params else {}, request.correlation_id, request.sequence_flags)
 
-    def _outputs(self, process: ModelProcess, reply: p.Reply | str, final: bool = False) -> dict[str, np.ndarray] | FerryError:
-        if reply == p.RESCHEDULE:
+    def _outputs(self, process: ModelProcess, reply: tuple | str, final: bool = False) -> dict[str, np.ndarray] | FerryError:
+        """A p.Reply as it travelled (a plain tuple), or RESCHEDULE."""
+        if reply.__class__ is str:  # RESCHEDULE
             return RESCHEDULED
-        if reply.error is not None:
-            code, message = reply.error
-            return _ERRORS.get(code, BackendError)(message)
-        return Outputs({t.name: process.view(t) for t in reply.outputs}, reply.parameters, final)
+        outputs, error, parameters = reply
+        if error is not None:
+            return _ERRORS.get(error[0], BackendError)(error[1])
+        return Outputs({t[0]: process.view(t) for t in outputs}, parameters, final)
 
     def is_ready(self) -> bool:
         """Triton's is_ready(), where the model defines it; a dead process is not ready."""

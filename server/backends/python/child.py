@@ -139,7 +139,7 @@ class Host:
             ready = False
         self.link.send((p.CHECKED, ref, ready))
 
-    def _called(self, ref: int, reply: p.Reply | None, final: bool) -> None:
+    def _called(self, ref: int, reply: tuple | None, final: bool) -> None:
         future, items = self._pending.get(ref, (None, None))
         if future is None:
             return
@@ -208,7 +208,7 @@ class Host:
             return
         self.link.send((p.AUTO, json.dumps(completed.as_dict())))
 
-    def _exec(self, call: int, requests: list[p.Request], freed: list[int]) -> None:
+    def _exec(self, call: int, requests: list[tuple], freed: list[int]) -> None:
         """A batch of a model that is not decoupled: each request is answered once, by the response
         execute returns for it or through its response sender (before or after execute returns, as
         Triton allows); the batch is done (DONE) once every request has its answer."""
@@ -233,7 +233,8 @@ class Host:
         if self._batches.pop(call, None) is None:
             return  # another thread sent it
         self._cancelled.discard(call)
-        self.link.send((p.DONE, call, batch.replies, self._take_freed()))  # blocks freed so far ride along
+        replies = [r if r.__class__ is str else tuple(r) for r in batch.replies]  # as they travel (protocol.py)
+        self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
 
     def _failure(self, exc: BaseException) -> str:
         """What the callers of an execute that raised read: Triton's words around the exception's."""
@@ -247,7 +248,7 @@ class Host:
         self.log(2, "Failed to execute the request(s): " + "".join(
             traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
 
-    def _stream(self, calls: list[int], requests: list[p.Request], freed: list[int]) -> None:
+    def _stream(self, calls: list[int], requests: list[tuple], freed: list[int]) -> None:
         """Decoupled requests, one execute (a batch of them where the model batches; one request when it
         may reschedule, which is decided per execute)."""
         self._free_ours(freed)
@@ -317,7 +318,7 @@ class Host:
         if final:
             self._streaming.discard(call)
             self._cancelled.discard(call)
-        self.link.send((p.RESPONSE, call, self._reply(response) if response is not None else None, final))
+        self.link.send((p.RESPONSE, call, tuple(self._reply(response)) if response is not None else None, final))
 
     def sender(self, call: int, index: int = 0):
         batch = self._batches.get(call)
@@ -339,7 +340,7 @@ class Host:
                       int(request.timeout()), decoupled, _trace_ref(request.trace()), request.correlation_id(),
                       request.flags())
         self._wanted.set()
-        self.link.send((p.CALL, ref, sent, self._current))  # the execute it is made for: its deadline
+        self.link.send((p.CALL, ref, tuple(sent), self._current))  # the execute it is made for: its deadline
         return future
 
     def control(self, op: str, name: str, version: str, config: str, files: dict):
@@ -359,11 +360,12 @@ class Host:
         self.link.send((p.LOG, level, message))
 
     # ---- tensors
-    def _put(self, name: str, array) -> ipc_tensors.Tensor:
+    def _put(self, name: str, array) -> tuple:
+        """A Tensor record as it travels (a plain tuple)."""
         with self._blocks_lock:
-            return ipc_tensors.put(name, array, self.arena, self._blocks)
+            return tuple(ipc_tensors.put(name, array, self.arena, self._blocks))
 
-    def _view(self, tensor: ipc_tensors.Tensor):
+    def _view(self, tensor: tuple):
         return ipc_tensors.view(tensor, self.arena, self._free)
 
     def _free(self, offset: int) -> None:
@@ -386,8 +388,9 @@ class Host:
                 for offset in offsets:
                     self._blocks.free(offset)
 
-    def _request(self, request: p.Request, call: int, index: int = 0) -> pb.InferenceRequest:
-        inputs = [pb.Tensor(t.name, self._view(t)) for t in request.inputs]
+    def _request(self, request: tuple, call: int, index: int = 0) -> pb.InferenceRequest:
+        request = p.record(p.Request, request)
+        inputs = [pb.Tensor(t[0], self._view(t)) for t in request.inputs]
         return pb.InferenceRequest("", inputs, list(request.requested), request.id, request.correlation_id,
                                    request.flags, parameters=request.parameters, _call=call, _index=index)
 
@@ -403,11 +406,12 @@ class Host:
         outputs = [self._put(t.name(), t.array) for t in response.output_tensors()]
         return p.Reply(outputs, None, json.loads(response.parameters()) or None)
 
-    def _response(self, reply: p.Reply) -> pb.InferenceResponse:
-        if reply.error is not None:
-            return pb.InferenceResponse(error=pb.TritonError(reply.error[1], reply.error[0]))
-        return pb.InferenceResponse([pb.Tensor(t.name, self._view(t)) for t in reply.outputs],
-                                    parameters=reply.parameters)
+    def _response(self, reply: tuple) -> pb.InferenceResponse:
+        """A p.Reply as it travelled (a plain tuple)."""
+        outputs, error, parameters = reply
+        if error is not None:
+            return pb.InferenceResponse(error=pb.TritonError(error[1], error[0]))
+        return pb.InferenceResponse([pb.Tensor(t[0], self._view(t)) for t in outputs], parameters=parameters)
 
 
 class _Responses:

@@ -192,7 +192,7 @@ class ModelProcess:
             return
         self._send((frame_kind, call, body, self._take_freed()))
 
-    def open_streams(self, requests: list[p.Request], sinks: list, traces: list) -> None:
+    def open_streams(self, requests: list[tuple], sinks: list, traces: list) -> None:
         """Decoupled requests run by one execute: `sink.put((Reply | marker | None, final))` for each of a
         request's answers, or `sink.put(ProcessDied)`, on the reader thread or the event loop, until
         `close(sink.call)`; each `sink.call` is set before anything is sent (answers may come before this
@@ -215,7 +215,7 @@ class ModelProcess:
             return
         self._send((p.STREAM, calls, requests, self._take_freed()))
 
-    def restream(self, call: int, request: p.Request) -> None:
+    def restream(self, call: int, request: tuple) -> None:
         """Run a decoupled request again under its call (the model rescheduled it): its answers keep
         coming to the same stream. A process that died meanwhile has answered the stream already."""
         self._send((p.STREAM, [call], [request], self._take_freed()))
@@ -327,11 +327,12 @@ class ModelProcess:
         except OSError:
             pass  # the reader sees the EOF and answers every waiting call with the cause
 
-    def put(self, name: str, array: np.ndarray) -> ipc_tensors.Tensor:
+    def put(self, name: str, array: np.ndarray) -> tuple:
+        """`array` written for the model process: a Tensor record as it travels (a plain tuple)."""
         with self._blocks_lock:
-            return ipc_tensors.put(name, array, self.arena, self._blocks)
+            return tuple(ipc_tensors.put(name, array, self.arena, self._blocks))
 
-    def view(self, tensor: ipc_tensors.Tensor) -> np.ndarray:
+    def view(self, tensor: tuple) -> np.ndarray:
         return ipc_tensors.view(tensor, self.arena, self._free_theirs)
 
     def _free_theirs(self, offset: int) -> None:
@@ -424,14 +425,14 @@ class ModelProcess:
             """On the event loop: the outputs written once into the server's half of the arena."""
             reply = None
             if outputs is not None or error is not None or parameters is not None:
-                reply = p.Reply([self.put(n, a) for n, a in (outputs or {}).items()], error, parameters)
+                reply = ([self.put(n, a) for n, a in (outputs or {}).items()], error, parameters)  # a p.Reply
             self._send((p.CALLED, ref, reply, final))
 
         if calls is None:
             answer(None, (p.UNAVAILABLE, "the server cannot take calls from this model yet"))
         elif kind == p.CALL:
-            call: p.Call = frame[2]
-            made = calls.call(call, {t.name: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]),
+            call = p.record(p.Call, frame[2])
+            made = calls.call(call, {t[0]: self.view(t) for t in call.inputs}, answer, self._deadlines.get(frame[3]),
                               self._parent(frame[3], call.trace))
             self._made_by(frame[3], made)
             if call.decoupled:  # model code may cancel it (UNCALL)

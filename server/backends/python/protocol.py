@@ -1,6 +1,11 @@
 """What a model process and its instance in the server say to each other (over server/ipc/frames.py).
 
-Frames are tuples whose first item is the kind. Tensors are `server.ipc.tensors.Tensor` records: the
+Frames are tuples whose first item is the kind, and everything in them is a plain tuple, list, dict,
+str, number or bytes: a Request, Reply, Call or Tensor travels as a plain tuple laid out as its class
+below (`tuple(record)`; the reader rebuilds one with `record(Class, wire)` where it reads fields by
+name). Pickling a NamedTuple looks its class up by name and calls Python code for it on both ends:
+77 us to pickle and 47 us to unpickle an EXEC of one add_sub request, against 12 and 14 us as plain
+tuples (on a busy 2-core machine). Tensors are `server.ipc.tensors.Tensor` records: the
 server writes requests (and BLS answers) into the first half of the instance's arena, the model
 process writes responses (and BLS calls) into the second; each side frees only in its own half, told
 by the side that read the block: in the `freed` list of its next EXEC, STREAM or DONE (a FREE frame
@@ -38,7 +43,7 @@ Model process -> server:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from server.ipc.tensors import Tensor
 
@@ -54,6 +59,15 @@ TRITON, FERRY = "triton", "ferry"  # the two faces of a model.py: `class TritonP
 
 # Triton's error codes (pb_utils.TritonError), as the numbers its stub uses.
 UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+
+_R = TypeVar("_R", bound=tuple)
+_new = tuple.__new__
+
+
+def record(cls: type[_R], wire: tuple) -> _R:
+    """A record's class over the plain tuple it travelled as (one C call, no copy of its fields)."""
+    return _new(cls, wire)
 
 
 class Request(NamedTuple):
