@@ -161,7 +161,7 @@ def _load(args, target: Target, generation: bool) -> Load:
     data = workload.read_input_data(client, args.model, args.input_data) if args.input_data else None
     if args.from_trace:
         recorded = workload.trace(client, args.model, args.from_trace, generation, args.seed, data)
-        return Load(recorded.workload, trace=recorded, warmup=args.warmup)
+        return Load(recorded.workload, trace=recorded, warmup=args.warmup, largest=recorded.largest)
     if generation:
         work = perf.generate_workload(args.model, "", perf.parse_length(args.prompt_length), args.seed,
                                       max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -172,8 +172,9 @@ def _load(args, target: Target, generation: bool) -> Load:
     rate = float(args.rate.removesuffix("/s")) if args.rate else None
     if rate is not None and rate <= 0:
         raise ValueError(f"--rate {args.rate!r}: expected a positive number of requests/s")
+    largest = max((len(a) for inputs in data for a in inputs.values()), default=1) if data else args.batch_size
     return Load(work, concurrency=None if rate else args.concurrency or 16, rate=rate, requests=args.requests,
-                duration_s=args.duration, warmup=args.warmup)
+                duration_s=args.duration, warmup=args.warmup, largest=1 if generation else largest)
 
 
 def _apply(args, target: Target, winner, tie: bool) -> None:

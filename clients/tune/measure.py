@@ -30,6 +30,8 @@ class Load:
     duration_s: float | None = 3.0
     warmup: int = 8
     timeout_s: float = 60.0
+    largest: int = 1  # the most rows one request carries
+
 
     @property
     def clients(self) -> int:

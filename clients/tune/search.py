@@ -163,7 +163,7 @@ class Search:
         current = self._baseline()
         for knobs in self.extra:
             self._try(knobs, "given")
-        for knobs in space.seeds(current.knobs, self.generation, self.load.clients):
+        for knobs in space.seeds(current.knobs, self.generation, self.load.clients, self.load.largest):
             self._try(knobs, "seed")
         self._refine()
         winner = self._best()
@@ -195,7 +195,8 @@ class Search:
             best = self._best()
             if best is None:
                 return
-            pending = [k for k in space.neighbours(best.knobs, self.generation, self.load.clients)
+            pending = [k for k in space.neighbours(best.knobs, self.generation, self.load.clients,
+                                                        self.load.largest)
                        if space.key(k) not in self.candidates]
             if not pending:
                 return  # every step from the best measured: nothing left can change the answer

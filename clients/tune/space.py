@@ -95,23 +95,26 @@ def apply(base: mc.ModelConfig, knobs: Knobs, latency_target_ms: float) -> mc.Mo
     return config
 
 
-def seeds(base: Knobs, generation: bool, clients: int) -> list[Knobs]:
+def seeds(base: Knobs, generation: bool, clients: int, largest: int = 1) -> list[Knobs]:
     """The coarse grid measured first: for batching, small and large batches against no window, a short
-    fixed window and the adaptive one; for generation, few and many sequences against a step target."""
+    fixed window and the adaptive one; for generation, few and many sequences against a step target.
+    `clients`: requests in flight at once; `largest`: the most rows one request carries (no batch size
+    below it is tried: the server would refuse those requests)."""
     if generation:
         seqs = _at_most(MAX_NUM_SEQS, max(clients, 2))
         return [{**base, "max_num_seqs": seqs},
                 {**base, "max_num_seqs": seqs, "max_step_ms": 50.0},
                 {**base, "max_num_seqs": _step(MAX_NUM_SEQS, seqs, -2), "max_num_batched_tokens": 512}]
-    big = _at_most(BATCH_SIZES, max(clients, 1))
-    small = _step(BATCH_SIZES, big, -2)
+    floor = _at_least(BATCH_SIZES, largest)
+    big = max(_at_most(BATCH_SIZES, max(clients * largest, 1)), floor)
+    small = max(_step(BATCH_SIZES, big, -2), floor)
     return [{**base, "max_batch_size": big, "window": 0, "preferred": []},
             {**base, "max_batch_size": big, "window": ADAPTIVE, "preferred": []},
             {**base, "max_batch_size": big, "window": 2000, "preferred": []},
             {**base, "max_batch_size": small, "window": 1000, "preferred": []}]
 
 
-def neighbours(knobs: Knobs, generation: bool, clients: int) -> list[Knobs]:
+def neighbours(knobs: Knobs, generation: bool, clients: int, largest: int = 1) -> list[Knobs]:
     """Every candidate one step away along one knob, nearest-to-the-load first."""
     out = []
     if generation:
@@ -119,9 +122,9 @@ def neighbours(knobs: Knobs, generation: bool, clients: int) -> list[Knobs]:
                              ("max_step_ms", STEP_MS)):
             out += [{**knobs, name: v} for v in _around(ladder, knobs[name])]
         return out
-    cap = _at_least(BATCH_SIZES, max(clients, 1))  # a batch larger than the clients can never fill
+    cap = _at_least(BATCH_SIZES, max(clients * largest, 1))  # a batch larger than the clients can never fill
     out += [{**knobs, "max_batch_size": v, "preferred": [v] if knobs["preferred"] else []}  # preferred follows the size
-            for v in _around(BATCH_SIZES, knobs["max_batch_size"]) if v <= cap]
+            for v in _around(BATCH_SIZES, knobs["max_batch_size"]) if largest <= v <= cap]
     window = knobs["window"]
     if window == ADAPTIVE:
         out += [{**knobs, "window": w} for w in (0, 1000)]

@@ -28,6 +28,7 @@ class Trace:
     offsets_s: list[float]
     rows: int  # batch rows (infer) or prompt tokens (generate) in the whole trace
     output_tokens: int = 0
+    largest: int = 1  # the most rows of one request
 
 
 def read_trace(path: Path, model: str) -> list[dict]:
@@ -69,7 +70,7 @@ def trace(client: InferenceClient, model: str, path: Path, generation: bool, see
         return Trace(perf.Workload(model, "generate", payloads, {"trace": str(path), "requests": len(lines)}),
                      offsets, rows, tokens)
     specs = {s.name: s for s in client.model_metadata(model).inputs}
-    payloads, rows = [], 0
+    payloads, rows, largest = [], 0, 1
     for i, line in enumerate(lines):
         shapes = line.get("inputs")
         if shapes is None:
@@ -83,8 +84,9 @@ def trace(client: InferenceClient, model: str, path: Path, generation: bool, see
                 perf.synthetic_array(specs[name].datatype, tuple(shape), rng)
         first = next(iter(shapes.values()), [])
         rows += first[0] if first else 1  # a batching model's rows; for others, the first dimension
+        largest = max(largest, first[0] if first else 1)
         payloads.append(messages.infer_request(model, inputs).SerializeToString())
-    return Trace(perf.Workload(model, "infer", payloads, {"trace": str(path), "requests": len(lines)}), offsets, rows)
+    return Trace(perf.Workload(model, "infer", payloads, {"trace": str(path), "requests": len(lines)}), offsets, rows, largest=largest)
 
 
 def read_input_data(client: InferenceClient, model: str, path: Path) -> list[dict[str, np.ndarray]]:
