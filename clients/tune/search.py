@@ -7,8 +7,9 @@
    measured; a neighbour that beats the best by more than the noise becomes the best, and its own
    neighbours are next. The search stops when every neighbour of the best has been measured (no
    measurement left could change the answer), or when the next one would not fit in the budget.
-4. Confirmation: the served config and the winner are measured once more, one after the other, and
-   the winner is kept only if it still beats the served config by more than the noise.
+4. Confirmation: the served config and the winner are measured once more, one after the other. If
+   the second reading demotes the winner, the search goes on around the new best (step 3) and
+   confirms that one; the winner is kept only if it still beats the served config by more than the noise.
 
 Each candidate is applied by hot reload (target.apply); one that fails to load is recorded with the
 server's reason and skipped (the server keeps serving the config before it). When the search ends the
@@ -165,10 +166,17 @@ class Search:
             self._try(knobs, "given")
         for knobs in space.seeds(current.knobs, self.generation, self.load.clients, self.load.largest):
             self._try(knobs, "seed")
-        self._refine()
-        winner = self._best()
-        self._confirm(current, winner)
-        winner = self._best() if self.objective.beats(self._best().summary, current.summary, self.noise) else current
+        confirmed: set[int] = set()
+        while True:  # a confirmation can demote the winner: then refine around the new best, and confirm it
+            self._refine()
+            best = self._best()
+            if id(best) in confirmed or not self._confirm(current, best):
+                break
+            confirmed.add(id(best))
+            if self._best() is best:
+                break
+        best = self._best()
+        winner = best if self.objective.beats(best.summary, current.summary, self.noise) else current
         tie = winner is current
         restored = self.target.apply(self.model, self.base)  # the served config again until the caller applies one
         if restored:
@@ -203,15 +211,17 @@ class Search:
             if self._try(pending[0], "refine") is None:
                 return
 
-    def _confirm(self, current: Candidate, winner: Candidate) -> None:
-        """Served config and winner once more, back to back, so a lucky first reading does not decide."""
+    def _confirm(self, current: Candidate, winner: Candidate) -> bool:
+        """Served config and winner once more, back to back, so a lucky first reading does not decide;
+        False when there was nothing to confirm or no budget left for it."""
         if winner is current or not winner.rows or not self._fits():
-            return
+            return False
         for candidate, config in ((current, self.base), (winner, self._config(winner.knobs))):
             if self.target.apply(self.model, config):
-                return
+                return False
             candidate.rows.append(measure(self.target, self.load))
             self.log(f"  {space.summary(candidate.knobs)} (again): {self._shown(candidate.rows[-1])}")
+        return True
 
 
 def _finite(x: float) -> bool:
