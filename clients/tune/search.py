@@ -121,12 +121,13 @@ class Search:
         self.t0 = time.monotonic()
 
     # -- budget ---------------------------------------------------------------------------------
-    def _fits(self) -> bool:
-        """Another measurement fits: within --max-candidates, and the mean cost so far fits the budget left."""
-        if self.max_candidates is not None and len(self.candidates) > self.max_candidates:  # the served one is free
+    def _fits(self, new: bool = True, measurements: int = 1) -> bool:
+        """`measurements` more fit in the budget left at the mean cost so far, and a `new` candidate fits
+        within --max-candidates (the served config is not counted; re-measuring one is not a new one)."""
+        if new and self.max_candidates is not None and len(self.candidates) > self.max_candidates:
             return False
         cost = sum(self.costs) / len(self.costs) if self.costs else 0.0
-        return time.monotonic() - self.t0 + cost <= self.budget_s
+        return time.monotonic() - self.t0 + cost * measurements <= self.budget_s
 
     # -- one candidate --------------------------------------------------------------------------
     def _config(self, knobs: space.Knobs) -> mc.ModelConfig:
@@ -214,7 +215,7 @@ class Search:
     def _confirm(self, current: Candidate, winner: Candidate) -> bool:
         """Served config and winner once more, back to back, so a lucky first reading does not decide;
         False when there was nothing to confirm or no budget left for it."""
-        if winner is current or not winner.rows or not self._fits():
+        if winner is current or not winner.rows or not self._fits(new=False, measurements=2):
             return False
         for candidate, config in ((current, self.base), (winner, self._config(winner.knobs))):
             if self.target.apply(self.model, config):
