@@ -10,6 +10,9 @@
 4. Confirmation: the served config and the winner are measured once more, one after the other. If
    the second reading demotes the winner, the search goes on around the new best (step 3) and
    confirms that one; the winner is kept only if it still beats the served config by more than the noise.
+5. Budget left over is spent where the answer can still change: more readings (up to three each) of
+   the candidates the best does not beat by more than the noise, the fewest-read first; a reading that
+   changes the best sends the search back to step 3.
 
 Each candidate is applied by hot reload (target.apply); one that fails to load is recorded with the
 server's reason and skipped (the server keeps serving the config before it). When the search ends the
@@ -28,6 +31,7 @@ from clients.tune.target import Target
 from protos import model_config_pb2 as mc
 
 NOISE_FLOOR = 0.03  # differences below 3% are ties however quiet the A/A pair looked
+MAX_READINGS = 3  # readings of one candidate the leftover budget may buy
 
 
 @dataclass(frozen=True)
@@ -168,13 +172,14 @@ class Search:
         for knobs in space.seeds(current.knobs, self.generation, self.load.clients, self.load.largest):
             self._try(knobs, "seed")
         confirmed: set[int] = set()
-        while True:  # a confirmation can demote the winner: then refine around the new best, and confirm it
+        while True:
             self._refine()
             best = self._best()
-            if id(best) in confirmed or not self._confirm(current, best):
-                break
-            confirmed.add(id(best))
-            if self._best() is best:
+            if id(best) not in confirmed and self._confirm(current, best):
+                confirmed.add(id(best))
+                if self._best() is not best:
+                    continue  # the second reading demoted it: refine around the new best, and confirm that
+            if not self._settle(best):
                 break
         best = self._best()
         winner = best if self.objective.beats(best.summary, current.summary, self.noise) else current
@@ -211,6 +216,23 @@ class Search:
                 return  # every step from the best measured: nothing left can change the answer
             if self._try(pending[0], "refine") is None:
                 return
+
+    def _settle(self, best: Candidate) -> bool:
+        """Budget left once the neighbourhood is measured goes where the answer can still change: one more
+        reading of the candidate, among the best and those it does not clearly beat, with the fewest
+        readings (at most MAX_READINGS each). False when there is none, or no budget."""
+        open_ = [c for c in self.candidates.values() if c.rows and len(c.rows) < MAX_READINGS
+                 and (c is best or not self.objective.beats(best.summary, c.summary, self.noise))]
+        if not open_ or not self._fits(new=False):
+            return False
+        candidate = min(open_, key=lambda c: len(c.rows))
+        config = self.base if candidate.label == "current" else self._config(candidate.knobs)
+        if self.target.apply(self.model, config):
+            return False
+        candidate.rows.append(measure(self.target, self.load))
+        self.log(f"  {space.summary(candidate.knobs)} (within the noise of the best, again): "
+                 f"{self._shown(candidate.rows[-1])}")
+        return True
 
     def _confirm(self, current: Candidate, winner: Candidate) -> bool:
         """Served config and winner once more, back to back, so a lucky first reading does not decide;
