@@ -25,7 +25,7 @@ def table(outcome: Outcome, objective: Objective) -> str:
     header = ["config", "", *(name for _, name in columns), "runs"]
     rows = []
     for c in outcome.candidates:
-        mark = "winner" if c is outcome.winner else c.label
+        mark = ("current, winner" if c is outcome.current else "winner") if c is outcome.winner else c.label
         if c.error:
             rows.append([space.summary(c.knobs), mark, f"did not load: {c.error[:100]}"])
             continue
@@ -97,7 +97,8 @@ def plot(outcome: Outcome, objective: Objective, path: Path) -> bool:
         if c is outcome.winner or c is outcome.current:
             ax.scatter([x], [y], marker="*" if c is outcome.winner else "s", s=160, zorder=3,
                        color="tab:green" if c is outcome.winner else "tab:red",
-                       label="winner" if c is outcome.winner else "current")
+                       label=("winner (the served config)" if c is outcome.current else "winner")
+                       if c is outcome.winner else "current")
     if objective.p99_ms is not None and not objective.generation:
         ax.axhline(objective.p99_ms, color="gray", linestyle="--", label=f"p99 target {objective.p99_ms:g} ms")
     ax.set_xlabel("output tokens/s" if objective.generation else "requests/s")
