@@ -36,7 +36,8 @@ def add_tune_command(sub) -> None:
                        help="an extra `ferry serve` argument for the server tune starts (repeatable)")
     goal = p.add_argument_group("objective")
     goal.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
-                      help="maximise requests/s (output tokens/s for generation) or minimise p99 (default throughput)")
+                      help="maximise requests/s (output tokens/s for generation) or minimise p99 (default throughput; "
+                           "with --rate or --from-trace the arrivals fix the requests/s, so latency)")
     goal.add_argument("--p99-ms", type=float, help="bound on the request p99: the best throughput within it wins")
     goal.add_argument("--ttft-p99-ms", type=float, help="generation: bound on the time-to-first-token p99")
     goal.add_argument("--itl-p99-ms", type=float, help="generation: bound on the inter-token latency p99")
@@ -129,7 +130,12 @@ def _tune(args, target: Target, budget_s: float) -> int:
     base = target.config(args.model)
     generation = space.is_generation(base)
     load = _load(args, target, generation)
-    objective = Objective(args.objective, args.p99_ms, args.ttft_p99_ms, args.itl_p99_ms, generation)
+    kind = args.objective
+    if load.concurrency is None and kind == "throughput":  # open loop: the arrivals set the requests/s
+        kind = "latency"
+        print("ferry tune: arrivals at a set rate or from a trace fix the requests/s: the lowest p99 wins "
+              "(within the bounds given)", file=sys.stderr)
+    objective = Objective(kind, args.p99_ms, args.ttft_p99_ms, args.itl_p99_ms, generation)
     extra = [space.parse(text, generation, space.current(base)) for text in args.candidate]
     print(f"ferry tune: {args.model} at {load.describe()}, budget {budget_s:g}s", file=sys.stderr)
     search = Search(target, args.model, base, load, objective, budget_s, args.max_candidates, extra,
