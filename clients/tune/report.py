@@ -45,6 +45,9 @@ def side_by_side(outcome: Outcome, objective: Objective) -> str:
              f"{'config':14}{space.summary(outcome.current.knobs):>24}{space.summary(outcome.winner.knobs):>24}"]
     for key, name in _columns(objective):
         lines.append(f"{name:14}{_cell(cur.get(key)):>24}{_cell(win.get(key)):>24}")
+    if objective.excess(win) > 0:
+        lines.append("no candidate met the latency bounds at this load: the one nearest to them is shown "
+                     "(fewer clients, more cores, or --frontend-processes; see docs/tuning.md)")
     if outcome.tie:
         lines.append(f"verdict: the served config stays: no candidate beat it by more than the noise ({outcome.noise:.1%})")
     else:
