@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import grpc
 from google.protobuf import json_format
 
 from clients.client import InferenceClient
@@ -46,7 +47,10 @@ class Target:
                 raise NotTunable(f"the server at {self.url} refuses model loads ({text}); ferry tune applies each "
                                  "candidate by reloading the model: start the server with --model-control-mode "
                                  "explicit, or give ferry tune --model-repository DIR to start its own") from None
-            return  # NOT_FOUND: loads are allowed
+            if exc.status == grpc.StatusCode.NOT_FOUND:
+                return  # loads are allowed; there is just no such model
+            raise NotTunable(f"the server at {self.url} refused a model load: {text} (model control needs the "
+                             "admin token when tokens are set: --token)") from None
         self.client.unload_model(_PROBE)  # a repository that does hold such a model: leave it as it was
 
     def config(self, model: str) -> mc.ModelConfig:
