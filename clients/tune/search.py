@@ -32,6 +32,7 @@ from protos import model_config_pb2 as mc
 
 NOISE_FLOOR = 0.03  # differences below 3% are ties however quiet the A/A pair looked
 MAX_READINGS = 3  # readings of one candidate the leftover budget may buy
+CONFIRMATION = 2  # measurements of the confirmation pair, kept free of the budget while exploring
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,8 @@ class Search:
         if new and self.max_candidates is not None and len(self.candidates) > self.max_candidates:
             return False
         cost = sum(self.costs) / len(self.costs) if self.costs else 0.0
-        return time.monotonic() - self.t0 + cost * measurements <= self.budget_s
+        reserve = CONFIRMATION if new else 0  # a new candidate may win: keep room to measure it again
+        return time.monotonic() - self.t0 + cost * (measurements + reserve) <= self.budget_s
 
     # -- one candidate --------------------------------------------------------------------------
     def _config(self, knobs: space.Knobs) -> mc.ModelConfig:
@@ -237,7 +239,7 @@ class Search:
     def _confirm(self, current: Candidate, winner: Candidate) -> bool:
         """Served config and winner once more, back to back, so a lucky first reading does not decide;
         False when there was nothing to confirm or no budget left for it."""
-        if winner is current or not winner.rows or not self._fits(new=False, measurements=2):
+        if winner is current or not winner.rows or not self._fits(new=False, measurements=CONFIRMATION):
             return False
         for candidate, config in ((current, self.base), (winner, self._config(winner.knobs))):
             if self.target.apply(self.model, config):
