@@ -173,7 +173,7 @@ def test_tunes_a_generation_model_and_writes_a_config_that_serves(tmp_path):
     (repo / "llama" / "config.yaml").write_text(llm_builders.llm_config(max_num_seqs=8))
     out, report = tmp_path / "tuned.pbtxt", tmp_path / "tune.json"
     done = tune("llama", "--model-repository", str(repo), "--concurrency", "2", "--requests", "4", "--warmup", "1",
-                "--max-tokens", "4", "--prompt-length", "6", "--max-candidates", "2", "--itl-p99-ms", "5000", "--budget", "90s",
+                "--max-tokens", "4", "--prompt-length", "6", "--max-candidates", "2", "--itl-p99-ms", "5000", "--budget", "180s",
                 "--output", str(out), "--json", str(report))
     assert done.returncode == 0, done.stderr
     doc = json.loads(report.read_text())
