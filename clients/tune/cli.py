@@ -71,7 +71,7 @@ def add_tune_command(sub) -> None:
                                                                   "(default: tuned-MODEL.pbtxt)")
     out.add_argument("--apply", action="store_true",
                      help="write the winner into the model's folder as config.pbtxt (the old config kept beside it as "
-                          "*.before-tune) and reload the model from it")
+                          "*.before-tune-TIMESTAMP) and reload the model from it")
     out.add_argument("--json", type=Path, metavar="FILE", help="every measurement, as JSON")
     out.add_argument("--plot", type=Path, metavar="FILE.png", help="throughput against p99, frontier marked (matplotlib)")
     p.set_defaults(run=run)
