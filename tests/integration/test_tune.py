@@ -194,3 +194,34 @@ def test_tunes_a_generation_model_and_writes_a_config_that_serves(tmp_path):
         assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 3
     finally:
         server.stop()
+
+
+def test_generation_traffic_is_recorded_and_replayed_with_its_token_counts(tmp_path):
+    repo = tmp_path / "repo"
+    llm_builders.build_model(repo / "llama" / "1", "llama")
+    (repo / "llama" / "config.yaml").write_text(llm_builders.llm_config(max_num_seqs=8))
+    trace = tmp_path / "traffic.jsonl"
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "llama", "--record-traffic", str(trace))
+    try:
+        asks = [([5, 6, 7], 3), ([8, 9, 10, 11, 12], 2), ([13], 4)]
+        with InferenceClient(server.address, timeout_s=60) as client:
+            for prompt, max_tokens in asks:
+                list(client.generate("llama", prompt, max_tokens=max_tokens, ignore_eos=True))
+
+        def recorded() -> list[dict]:
+            return [json.loads(line) for line in trace.read_text().splitlines() if '"model"' in line]
+
+        wait_for(lambda: len(recorded()) == len(asks), 30, "the recording to hold every request")
+        assert [(line["prompt_tokens"], line["max_tokens"]) for line in recorded()] == [(len(p), m) for p, m in asks]
+        report = tmp_path / "tune.json"
+        done = tune("llama", "--url", server.address, "--from-trace", str(trace), "--warmup", "0", "--max-candidates", "1",
+                    "--json", str(report), "--output", str(tmp_path / "t.pbtxt"))
+        assert done.returncode == 0, done.stderr
+        rows = [row for c in json.loads(report.read_text())["candidates"] for row in c["measurements"]]
+        assert len(rows) >= 3
+        for row in rows:  # every replay: the recorded requests, each generating the recorded token count
+            assert (row["requests"], row["completed"], row["output_tokens"]) == (3, 3, sum(m for _, m in asks))
+        replayed = [(line["prompt_tokens"], line["max_tokens"]) for line in recorded()[len(asks):]]
+        assert replayed == [(len(p), m) for p, m in asks] * len(rows)
+    finally:
+        server.stop()
