@@ -78,6 +78,10 @@ def add_client_commands(sub) -> None:
     _perf_args(p)
     p.set_defaults(run=_guard(_perf))
 
+    from clients.tune.cli import add_tune_command  # here: it imports this module's neighbours
+
+    add_tune_command(sub)  # tune: search batching configs by hot reload (its own errors and exit statuses)
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ferry", description="Ferry client commands")

@@ -94,8 +94,11 @@ class InferenceClient(ClientBase):
         response = self._call("RepositoryIndex", pb.RepositoryIndexRequest(ready=ready_only), timeout_s)
         return messages.repository_index(response)
 
-    def load_model(self, model: str, timeout_s: float | None = None) -> None:
-        self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=model), timeout_s)
+    def load_model(self, model: str, timeout_s: float | None = None, config: str | None = None) -> None:
+        """Load or reload `model`; `config` (a JSON ModelConfig, Triton's load parameter) replaces its folder's
+        config. A reload that fails leaves the versions already serving in place."""
+        parameters = {"config": pb.ModelRepositoryParameter(string_param=config)} if config is not None else None
+        self._call("RepositoryModelLoad", pb.RepositoryModelLoadRequest(model_name=model, parameters=parameters), timeout_s)
 
     def unload_model(self, model: str, timeout_s: float | None = None) -> None:
         self._call("RepositoryModelUnload", pb.RepositoryModelUnloadRequest(model_name=model), timeout_s)

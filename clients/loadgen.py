@@ -260,3 +260,28 @@ async def open_loop(address: str, payloads: list[bytes], rate: float, requests: 
         if ticker:
             ticker.cancel()
     return tally.result(wall, cpu, len(tasks), streaming, request_rate=rate)
+
+
+async def replay(address: str, payloads: list[bytes], offsets_s: list[float], timeout_s: float = 60,
+                 method_path: str = MODEL_INFER, *, warmup: int = 0, streaming: bool = False,
+                 credentials: grpc.ChannelCredentials | None = None, channel_options: list = ()) -> RunResult:
+    """Recorded arrivals: request i (`payloads[i]`) is sent `offsets_s[i]` seconds after the start, whatever
+    the answers do, then every answer is awaited (`ferry tune --from-trace`)."""
+    if len(payloads) != len(offsets_s):
+        raise ValueError(f"{len(payloads)} payloads for {len(offsets_s)} arrival times")
+    async with _channel(address, credentials, list(channel_options)) as channel:
+        await _warm(channel, method_path, streaming, payloads, warmup, timeout_s)
+        tally = _Tally()
+        send = _sender(channel, method_path, streaming, timeout_s, tally)
+        tasks = []
+        with _still_heap():
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for payload, offset in zip(payloads, offsets_s):
+                delay = t0 + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.ensure_future(send(payload)))
+            await asyncio.gather(*tasks)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    rate = len(payloads) / offsets_s[-1] if len(offsets_s) > 1 and offsets_s[-1] > 0 else None
+    return tally.result(wall, cpu, len(tasks), streaming, request_rate=rate)

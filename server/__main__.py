@@ -114,6 +114,9 @@ def _serve_parser(sub) -> None:
                              "DIR/NAME/model.py as the model's Python model (runs the code there; default: off)")
     access.add_argument("--allow-trace-settings", action="store_true",
                         help="let clients change the trace settings (TraceSetting, POST /v2/trace/setting); off by default")
+    p.add_argument("--record-traffic", type=Path, metavar="FILE",
+                   help="append one JSON line per request (model, arrival time, input shapes or prompt and output "
+                        "token counts; never the data) for `ferry tune --from-trace FILE`")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -169,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         trace=_trace_settings(parser, args.trace_config),
         allow_trace_settings=args.allow_trace_settings,
         backend_directory=args.backend_directory.resolve() if args.backend_directory else None,
+        record_traffic=args.record_traffic,
         **({} if args.frontend_arena_bytes is None else {"frontend_arena_bytes": args.frontend_arena_bytes}),
     )
     try:

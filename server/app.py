@@ -30,6 +30,7 @@ from server.doors.grpc.generate_servicer import GenerationServicer, generation_s
 from server.doors.grpc.server import RpcOptions, RpcServer, inference_service
 from server.doors.grpc.servicer import InferenceServicer
 from server.tensors.shared_memory import SharedMemoryRegistry
+from server.observability import traffic
 from server.observability.tracing.control import TraceControl
 from server.doors.tokens import Tokens
 from server.observability.tracing.settings import OPENTELEMETRY, TraceSettings
@@ -51,6 +52,7 @@ class ServerConfig:
     drain_grace_s: float = DRAIN_GRACE_S
     poll_repository_s: float = 0.0  # > 0: hot reload, poll the repository this often
     tokens: Tokens = field(default_factory=Tokens)  # none: no authentication
+    record_traffic: Path | None = None  # append one JSON line per request here (server/observability/traffic.py)
     metrics_host: str | None = None  # None: the gRPC host
     web: WebOptions | None = field(default_factory=WebOptions)  # None: no HTTP front door
     server_name: str = "ferry"  # ServerMetadata's name
@@ -129,6 +131,7 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
         print(f"ferry: serving HTTP on {web.host}:{web.port}", flush=True)
     if http is not None:
         print(f"ferry: serving metrics on http://{config.metrics_host or config.rpc.host}:{http.port}/metrics", flush=True)
+    recording = _record_traffic(config.record_traffic)
     heap.keep()  # before models allocate: a step's big tensors reuse the heap (server/heap.py)
     await engine.load(config)
     heap.park()
@@ -151,10 +154,32 @@ async def run(config: ServerConfig, started: asyncio.Event | None = None) -> int
     health.ready = False
     await _drain(config, _Doors(gate, rpc, web, http, group), registry, watcher)
     regions.close()  # no gRPC call is left to use them
+    _stop_recording(recording)
     await asyncio.to_thread(tracing.close)  # the trace file complete, the last spans exported (bounded)
     loop_load.close()
     print("ferry: stopped", flush=True)
     return 1 if group is not None and group.failed else 0
+
+
+def _record_traffic(path: Path | None) -> asyncio.Task | None:
+    """Start the traffic recording, flushed twice a second so a reader sees it while the server runs."""
+    if path is None:
+        return None
+    traffic.start(path)
+    log.info("recording traffic to %s", path)
+
+    async def flush() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            traffic.flush()
+
+    return asyncio.ensure_future(flush())
+
+
+def _stop_recording(recording: asyncio.Task | None) -> None:
+    if recording is not None:
+        recording.cancel()
+        traffic.stop()
 
 
 def trace_control(config: ServerConfig, prom: CollectorRegistry) -> TraceControl:

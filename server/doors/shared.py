@@ -14,6 +14,7 @@ import numpy as np
 
 from server.errors import InvalidInputError, UnsupportedError
 from server.names import capped
+from server.observability import traffic
 from server.repository.registry import ModelVersion, Registry
 from server.request import InferRequest, with_parameters_of
 from server.tensors import classification
@@ -60,6 +61,7 @@ def infer_request(mv: ModelVersion, inputs: dict[str, np.ndarray], requested: tu
             raise InvalidInputError(f"parameter 'cost' must be a non-negative number, got {capped(repr(cost), 100)}")
     else:
         params = {}  # the request's own dict, never one a caller passed in
+    traffic.infer(mv.name, arrival_ns, inputs)  # --record-traffic; a no-op otherwise
     return InferRequest(
         model_name=mv.name, inputs=inputs, batch_size=batch_size, batch_key=key, id=request_id,
         requested_outputs=requested, parameters=params, priority=priority, timeout_us=timeout_us,

@@ -20,6 +20,7 @@ from server.backends.llm import torch_thread
 from server.backends.llm.engine import LLMBackend
 from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings
 from server.errors import BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError
+from server.observability import traffic
 from server.observability.generation_metrics import GenerationStats
 from server.observability.metrics import ModelStats
 from server.runners import slow_steps
@@ -155,6 +156,7 @@ class GenerationRunner(RunnerBase):
         """Stream events for one request; leaving the iteration early (client gone) cancels it."""
         self._admit_check()
         prompt_ids = request.prompt_ids
+        traffic.generate(self.name, request.arrival_ns, len(prompt_ids), request.sampling.max_tokens)  # --record-traffic
         nbytes = len(prompt_ids) * BYTES_PER_TOKEN
         self._take_bytes(nbytes, request.arrival_ns)
         try:

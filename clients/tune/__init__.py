@@ -1,0 +1,1 @@
+"""`ferry tune`: search a model's batching configuration by hot reload and measurement (docs/tuning.md)."""
