@@ -30,7 +30,12 @@ def build_encoder(version_dir: Path, pooling: str = "mean", normalize: bool = Tr
 
     import torch
     import transformers
-    from sentence_transformers import SentenceTransformer, models
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        from sentence_transformers.sentence_transformer import modules as models
+    except ImportError:  # sentence-transformers before 6
+        from sentence_transformers import models
 
     with tempfile.TemporaryDirectory() as scratch:
         base = Path(scratch) / "bert"

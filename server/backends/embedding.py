@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ from server.backends.embedding_layout import (DEFAULT_MAX_BATCH_TEXTS, DEFAULT_M
 from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
+_IMPORT = threading.Lock()
 
 
 class EmbeddingBackend(Backend):
@@ -63,7 +65,11 @@ class EmbeddingBackend(Backend):
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
     def load(self) -> None:
-        from transformers import AutoModel, AutoTokenizer  # imported with the first embedding model only
+        with _IMPORT:  # instances load on threads of their own; transformers' lazy module is not safe to race
+            try:
+                from transformers import AutoModel, AutoTokenizer  # imported with the first embedding model only
+            except ImportError as exc:
+                raise ConfigError(f"the embedding backend needs transformers ({exc}): pip install 'ferry[embeddings]'") from None
 
         layout = EmbeddingLayout(self.model_path)
         self.layout = layout
