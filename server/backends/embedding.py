@@ -81,22 +81,16 @@ class EmbeddingBackend(Backend):
         self.max_length = min(n for n in limits if n)
         self.dimension = int(self.model.config.hidden_size)
         self.pad_id = self.tokenizer.pad_token_id or 0
+        self.vocab_size = int(self.model.config.vocab_size)
         log.info("model '%s': %s encoder, %s pooling%s, %d dims, max %d tokens, on %s", self.config.name,
                  self.model.config.model_type, layout.pooling, " + normalize" if layout.normalize else "",
                  self.dimension, self.max_length, self.device)
 
-    def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """Token ids as the Transformer module makes them (special tokens added), untruncated: the runner
-        decides what an over-long text gets."""
-        return self.tokenizer(texts, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
-
-    def truncated(self, ids: list[int], keep: int) -> list[int]:
-        """The last `keep` tokens' worth of a text, as vLLM's truncate_prompt_tokens (a left truncation),
-        its first special token kept in front so pooling over CLS still reads a CLS."""
-        special = set(self.tokenizer.all_special_ids)
-        if ids and ids[0] in special and keep > 1:
-            return [ids[0], *ids[len(ids) - keep + 1:]]
-        return ids[len(ids) - keep:]
+    def tokenize(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
+        """Token ids as the Transformer module makes them (special tokens added); untruncated unless
+        `max_length` is given (then cut as the tokenizer cuts, special tokens kept)."""
+        return self.tokenizer(texts, add_special_tokens=True, truncation=max_length is not None, max_length=max_length,
+                              verbose=False)["input_ids"]
 
     def can_send(self) -> bool:
         return False  # runs on the instance's thread (execute_requests)

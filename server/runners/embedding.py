@@ -46,33 +46,55 @@ class EmbeddingRunner(ModelRunner):
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         return self._encoder.tokenize(texts) if texts else []
 
-    def checked_ids(self, rows: list[list[int]], truncate: int | None = None) -> list[list[int]]:
-        """Rows within the model's length: too long is an error naming the limit, unless `truncate` asks
-        for the last `truncate` tokens (at most the model's length) of every longer row."""
+    def text_rows(self, texts: list[str], truncate: int | None = None) -> list[list[int]]:
+        """Each text's token ids. Longer than the model takes: an error naming the limit, unless `truncate`
+        asks for truncation, which cuts the text as the tokenizer does (its first tokens, special tokens
+        kept: sentence-transformers' own truncation, and vLLM's for text)."""
+        rows = self.tokenize(texts)
+        if truncate is None:
+            return self._within(rows)
+        keep = self._keep(truncate)
+        long = [i for i, row in enumerate(rows) if len(row) > keep]
+        if long:
+            for i, row in zip(long, self._encoder.tokenize([texts[i] for i in long], max_length=keep)):
+                rows[i] = row
+        return rows
+
+    def id_rows(self, rows: list[list[int]], truncate: int | None = None) -> list[list[int]]:
+        """Token ids as the client sent them, within the vocabulary (an id past it would fail its whole batch)
+        and the model's length; `truncate` keeps the last tokens of a longer row (vLLM's rule for ids)."""
+        vocab = self._encoder.vocab_size
+        for i, row in enumerate(rows):
+            if min(row) < 0 or max(row) >= vocab:
+                raise InvalidInputError(f"input {i} holds token ids outside model '{self.name}''s vocabulary "
+                                        f"(0..{vocab - 1})")
+        if truncate is None:
+            return self._within(rows)
+        keep = self._keep(truncate)
+        return [row if len(row) <= keep else row[len(row) - keep:] for row in rows]
+
+    def _keep(self, truncate) -> int:
+        """`truncate_prompt_tokens` checked: 1 up to the model's length, or -1 for the model's length (vLLM)."""
         limit = self.max_length
-        if truncate is not None:
-            if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1:
-                raise InvalidInputError(f"'{TRUNCATE}' must be a positive integer, got {truncate!r}")
-            if truncate > limit:
-                raise InvalidInputError(f"'{TRUNCATE}' ({truncate}) is more than model '{self.name}' takes: "
-                                        f"its maximum context length is {limit} tokens")
-            return [r if len(r) <= truncate else self._encoder.truncated(r, truncate) for r in rows]
+        if truncate == -1:
+            return limit
+        if isinstance(truncate, bool) or not isinstance(truncate, int) or truncate < 1:
+            raise InvalidInputError(f"'{TRUNCATE}' must be a positive integer (or -1: the model's maximum), got {truncate!r}")
+        if truncate > limit:
+            raise InvalidInputError(f"'{TRUNCATE}' ({truncate}) is more than model '{self.name}' takes: "
+                                    f"its maximum context length is {limit} tokens")
+        return truncate
+
+    def _within(self, rows: list[list[int]]) -> list[list[int]]:
+        limit = self.max_length
         for i, row in enumerate(rows):
             if len(row) > limit:
                 raise InvalidInputError(f"input {i} has {len(row)} tokens, more than model '{self.name}' takes: its "
                                         f"maximum context length is {limit} tokens; shorten it or send "
-                                        f"'{TRUNCATE}' to keep its last tokens")
+                                        f"'{TRUNCATE}' to have it truncated")
             if not row:
                 raise InvalidInputError(f"input {i} has no tokens")
         return rows
-
-    def checked_token_ids(self, rows: list[list[int]]) -> None:
-        """Token ids sent by the client are within the vocabulary (an id past it would fail its whole batch)."""
-        vocab = self._encoder.model.config.vocab_size
-        for i, row in enumerate(rows):
-            if any(t < 0 or t >= vocab for t in row):
-                raise InvalidInputError(f"input {i} holds token ids outside model '{self.name}''s vocabulary "
-                                        f"(0..{vocab - 1})")
 
     async def embed(self, rows: Sequence[list[int]], template: InferRequest | None = None) -> np.ndarray:
         """Each row's vector ([rows, dim] float32), every row queued as a request of its own; `template`
@@ -103,7 +125,7 @@ class EmbeddingRunner(ModelRunner):
 
     async def _infer_texts(self, request: InferRequest) -> dict[str, np.ndarray]:
         texts = [t.decode() if isinstance(t, bytes) else str(t) for t in request.inputs[TEXT].reshape(-1).tolist()]
-        rows = self.checked_ids(self.tokenize(texts), request.parameters.get(TRUNCATE))
+        rows = self.text_rows(texts, request.parameters.get(TRUNCATE))
         return {EMBEDDING: await self.embed(rows, request)}
 
 

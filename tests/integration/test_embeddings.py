@@ -144,27 +144,42 @@ def test_dimensions_truncate_and_renormalise_only_a_normalising_model(env):
 
 def test_too_long_input_is_refused_naming_the_limit_or_truncated_when_asked(env):
     _, server, client = env
-    long_text = " ".join(["retrieval"] * 200)
+    long_text = " ".join(embedding_builders.WORDS * 4)  # ~100 tokens, every position different
     with pytest.raises(openai.BadRequestError) as refused:
         client.embeddings.create(model="cls_norm", input=["short one", long_text])
     assert f"{MAX_SEQ} tokens" in str(refused.value)
+    # truncated to the model's length, a text is cut as sentence-transformers cuts it: the same vector
+    want = reference(env, "cls_norm", [long_text])[0]
+    for keep in (MAX_SEQ, -1):
+        cut = client.embeddings.create(model="cls_norm", input=[long_text, "short one"], encoding_format="float",
+                                       extra_body={"truncate_prompt_tokens": keep})
+        np.testing.assert_allclose(cut.data[0].embedding, want, atol=ATOL, rtol=0)
+        assert cut.usage.prompt_tokens == MAX_SEQ + 4  # "short one": [CLS] short one [SEP]
+    # shorter: the tokenizer's own cut (first tokens, CLS ... SEP kept), equal to those ids sent as they are
     tokenizer = embedding_builders_tokenizer(env, "cls_norm")
-    ids = tokenizer(long_text)["input_ids"]
-    kept = [ids[0], *ids[len(ids) - 9:]]  # the first (CLS) token, then the last 9: 10 tokens
+    kept = tokenizer(long_text, truncation=True, max_length=10)["input_ids"]
+    assert len(kept) == 10 and kept[-1] == tokenizer.sep_token_id
     cut = client.embeddings.create(model="cls_norm", input=long_text, encoding_format="float",
                                    extra_body={"truncate_prompt_tokens": 10})
-    assert cut.usage.prompt_tokens == 10
     alone = client.embeddings.create(model="cls_norm", input=kept, encoding_format="float")
+    assert cut.usage.prompt_tokens == 10
     np.testing.assert_allclose(cut.data[0].embedding, alone.data[0].embedding, atol=ATOL, rtol=0)
-    status, body = post(server, {"model": "cls_norm", "input": "x", "truncate_prompt_tokens": MAX_SEQ + 1})
-    assert status == 400 and str(MAX_SEQ) in body["error"]["message"]
+    # token ids keep their last tokens (vLLM's rule for ids)
+    ids = tokenizer(long_text)["input_ids"]
+    tail = client.embeddings.create(model="cls_norm", input=[ids], encoding_format="float",
+                                    extra_body={"truncate_prompt_tokens": 12})
+    tail_alone = client.embeddings.create(model="cls_norm", input=[ids[-12:]], encoding_format="float")
+    np.testing.assert_allclose(tail.data[0].embedding, tail_alone.data[0].embedding, atol=ATOL, rtol=0)
+    for bad in (MAX_SEQ + 1, 0, "5"):
+        status, body = post(server, {"model": "cls_norm", "input": "x", "truncate_prompt_tokens": bad})
+        assert status == 400 and "truncate_prompt_tokens" in body["error"]["message"], body
     # over KServe: INVALID_ARGUMENT (400) naming the limit, or the parameter's truncation
     refused = tritonclient_calls(server, "cls_norm", ["short one", long_text])
     assert refused["grpc"]["status"] == "StatusCode.INVALID_ARGUMENT" and f"{MAX_SEQ} tokens" in refused["grpc"]["message"]
     assert refused["http"]["status"] == "400" and f"{MAX_SEQ} tokens" in refused["http"]["message"]
-    truncated = tritonclient_calls(server, "cls_norm", [long_text], {"truncate_prompt_tokens": 10})
+    truncated = tritonclient_calls(server, "cls_norm", [long_text], {"truncate_prompt_tokens": MAX_SEQ})
     for door in ("grpc", "http"):
-        np.testing.assert_allclose(truncated[door]["vectors"][0], alone.data[0].embedding, atol=ATOL, rtol=0)
+        np.testing.assert_allclose(truncated[door]["vectors"][0], want, atol=ATOL, rtol=0)
 
 
 def test_bad_bodies_are_400_and_other_kinds_refused(env):

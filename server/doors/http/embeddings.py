@@ -6,7 +6,8 @@ on its own by the model's runner (runners/embedding.py), so one request's texts 
 batched by length together. `encoding_format` "base64" sends each vector as OpenAI does: its little-endian
 float32 bytes in base64. `dimensions` keeps each vector's first dimensions (scaled back to unit length when
 the model normalises). A text longer than the model takes is a 400 naming the limit unless
-`truncate_prompt_tokens` (vLLM's field) asks for its last tokens instead.
+`truncate_prompt_tokens` (vLLM's field) asks for truncation: a text is cut as its tokenizer cuts it (its
+first tokens, special tokens kept, as sentence-transformers truncates), token ids keep their last tokens.
 """
 
 from __future__ import annotations
@@ -47,15 +48,8 @@ async def answer(registry: Registry, body: dict, arrival_ns: int | None = None) 
     mv = embedding_model(registry, body)
     runner = mv.runner
     texts, ids = inputs_of(body.get("input"))
-    if ids is not None:
-        runner.checked_token_ids(ids)
-        rows = ids
-    else:
-        rows = runner.tokenize(texts)
     truncate = body.get("truncate_prompt_tokens")
-    if truncate == -1:  # vLLM: -1 keeps as many as the model takes
-        truncate = runner.max_length
-    rows = runner.checked_ids(rows, truncate)
+    rows = runner.id_rows(ids, truncate) if ids is not None else runner.text_rows(texts, truncate)
     template = InferRequest(mv.name, {}, 1, (), arrival_ns=arrival_ns or time.monotonic_ns())
     vectors = shortened(await runner.embed(rows, template), body.get("dimensions"), runner.normalizes, mv.name)
     tokens = sum(len(r) for r in rows)
