@@ -61,7 +61,7 @@ def env(tmp_path_factory):
                                          max_seq_length=MAX_SEQ)
         if config is not None:
             (repo / name / "config.pbtxt").write_text(config)
-    server = RunningServer(repo)
+    server = RunningServer(repo, timeout_s=300)  # five encoders load with transformers: slow on a busy machine
     client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
     yield repo, server, client
     server.stop()
