@@ -71,7 +71,7 @@ def serve(repo: Path, model: str, texts: list[str], concurrency: int) -> dict:
     try:
         http = next(m.group(1) for line in lines if (m := re.search(r"ferry: serving HTTP on (\S+)", line)))
         url = f"http://{http}"
-        asyncio.run(clients(url, model, texts[:concurrency * 2], concurrency))  # warm-up
+        asyncio.run(clients(url, model, texts[:concurrency], concurrency))  # warm-up
         with grpc.insecure_channel(address) as channel:
             before = common.model_counts(channel, model)
             seconds = asyncio.run(clients(url, model, texts, concurrency))
@@ -113,10 +113,10 @@ def main() -> None:
             if config is not None:
                 (repo / name / "config.pbtxt").write_text(config)
         rows = [in_process(repo / "binpack" / "1", texts)]
+        print(rows[-1], flush=True)
         for name in CONFIGS:
             rows.append(serve(repo, name, texts, args.clients))
-    for row in rows:
-        print(row)
+            print(rows[-1], flush=True)
     base, packed, fifo = (r["texts/s"] for r in rows)
     summary = (f"served (bin packing) / in process: {packed / base:.2f}x (target >= 0.8x); "
                f"bin packing / FIFO: {packed / fifo:.2f}x (target >= 1.5x)")
