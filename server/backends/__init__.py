@@ -14,9 +14,12 @@ _BACKENDS = {
     "python": "server.backends.python.backend:PythonBackend",
     "llm": "server.backends.llm.engine:LLMBackend",
     "vllm": "server.backends.llm.vllm_folder:VllmFolderBackend",  # Triton's vLLM folders: <version>/model.json
+    "embedding": "server.backends.embedding:EmbeddingBackend",  # sentence-transformers folders: <version>/modules.json
 }
 # Backends whose models generate text step by step (served by the generation runner).
 GENERATION = frozenset({"llm", "vllm"})
+# Backend whose models turn texts into vectors (served by the embedding runner, one queued request per text).
+EMBEDDING = "embedding"
 # Triton platform names -> backend names, so Triton configs work unchanged.
 _PLATFORMS = {"onnxruntime_onnx": "onnxruntime", "pytorch_libtorch": "pytorch", "pytorch_export": "pytorch"}
 # Which backend a bare model file implies when the config names none.
@@ -44,6 +47,8 @@ def resolve_backend_name(config: mc.ModelConfig, version_dirs: list[Path], sourc
             raise ConfigError(f"{source}: field 'platform' is {config.platform!r}; supported: {sorted(_PLATFORMS)}")
         return _PLATFORMS[config.platform]
     names = {config.default_model_filename} if config.default_model_filename else None
+    if names is None and any((d / "modules.json").is_file() for d in version_dirs):
+        return "embedding"  # a sentence-transformers folder (its model.safetensors is an encoder, not an LLM)
     for version_dir in version_dirs:
         for path in sorted(version_dir.iterdir()):
             if (names is None or path.name in names) and path.suffix in _FILE_HINTS:

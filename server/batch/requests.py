@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-URLS = ("/v1/chat/completions", "/v1/completions", "/v2/models/{name}/infer", "/v2/models/{name}/generate")
-_URL = re.compile(r"/v1/chat/completions|/v1/completions|/v2/models/[^/]+(?:/versions/[0-9]+)?/(?:infer|generate)")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v2/models/{name}/infer", "/v2/models/{name}/generate")
+_URL = re.compile(r"/v1/chat/completions|/v1/completions|/v1/embeddings|/v2/models/[^/]+(?:/versions/[0-9]+)?/(?:infer|generate)")
 MAX_SHOWN = 20  # problems listed before "... and N more"
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from protos import model_config_pb2 as mc
-from server.backends import GENERATION, python_based
+from server.backends import EMBEDDING, GENERATION, python_based
 from server.defaults import DEFAULT_SEQUENCE_IDLE_US, MAX_QUEUED_REQUESTS
 from server.errors import ConfigError
 from server.observability.custom_metrics import CustomMetrics
@@ -27,6 +27,7 @@ from server.runners.batch import ModelRunner
 from server.runners.decoupled import DecoupledRunner, StreamBatching
 from server.runners.sequence import SequenceRunner
 from server.runners.sequence_inputs import SequenceInputs
+from server.runners.embedding import EmbeddingRunner
 from server.runners.ensemble import EnsembleRunner, LateLookup
 from server.runners.generation import GenerationRunner
 from server.runners.model_calls import LateControl, ModelCalls
@@ -79,6 +80,8 @@ class RunnerFactory:
         if entry.config.backend in GENERATION:
             gen_stats = GenerationStats(self.generation_families, name, entry.version)
             return generation_runner(name, entry, stats, gen_stats, budget)
+        if entry.config.backend == EMBEDDING:
+            return embedding_runner(name, entry, stats, budget, self.max_queued, self.loop_load)
         if entry.config.model_transaction_policy.decoupled:
             return decoupled_runner(name, entry, stats, budget)
         if entry.config.HasField("sequence_batching"):
@@ -134,6 +137,18 @@ def build_scheduler(config: mc.ModelConfig, max_queued: int = MAX_QUEUED_REQUEST
     if config.HasField("binpack_batching"):
         return BinPackBatcher(settings, binpack_settings(config), queue)
     return DynamicBatcher(settings, queue)
+
+
+def embedding_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget, max_queued: int,
+                     loop_load: LoopLoad | None = None) -> EmbeddingRunner:
+    """Texts batched by token count: each text of a request queues on its own (runners/embedding.py)."""
+    config = entry.config
+    if config.model_transaction_policy.decoupled or config.HasField("sequence_batching"):
+        raise ConfigError(f"model '{name}': an embedding model answers each request once and keeps no state; "
+                          "remove model_transaction_policy.decoupled and sequence_batching")
+    workers = [Worker(b, entry.signature, f"{name}-{entry.version}-{i}") for i, b in enumerate(entry.backends)]
+    return EmbeddingRunner(name, entry.version, build_scheduler(config, max_queued), workers, stats, budget=budget,
+                           loop_load=loop_load)
 
 
 def sequence_runner(name: str, entry: LoadedVersion, stats: ModelStats, budget: ByteBudget,

@@ -280,7 +280,7 @@ def test_url_with_no_server_answering_writes_nothing_and_exits_1(scheme, tmp_pat
 INVALID = [
     "{not json",
     "[1, 2]",
-    json.dumps(request("x-embeddings", "/v1/embeddings", {"input": "a"})),
+    json.dumps(request("x-audio", "/v1/audio/transcriptions", {"input": "a"})),
     json.dumps({**request("x-get", "/v1/completions", completion(1)), "method": "GET"}),
     json.dumps({"custom_id": "x-nobody", "method": "POST", "url": "/v1/completions"}),
     json.dumps(request("chat-0", "/v1/chat/completions", chat(0))),  # the first line's custom_id again
@@ -301,7 +301,7 @@ def test_invalid_files_are_refused_whole_naming_lines_and_nothing_is_written(env
         assert done.returncode == 2
         problems = [line.strip() for line in done.stderr.splitlines() if line.strip().startswith("line ")]
         assert [p.split(":")[0] for p in problems] == [f"line {n}" for n in range(2, 9)], done.stderr
-        for number, words in ((2, "not JSON"), (3, "not a JSON object"), (4, "unsupported url '/v1/embeddings'"),
+        for number, words in ((2, "not JSON"), (3, "not a JSON object"), (4, "unsupported url '/v1/audio/transcriptions'"),
                               (5, 'method must be "POST"'), (6, "missing body"), (7, "duplicate custom_id 'chat-0' (first on line 1)"),
                               (8, "stream")):
             assert words in problems[number - 2], problems[number - 2]

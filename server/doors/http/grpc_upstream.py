@@ -47,6 +47,8 @@ def problem(url: str, body: dict) -> str | None:
     """Why this request cannot be sent over gRPC, or None when it can (bad bodies can: they get their 4xx)."""
     if url in ("/v1/chat/completions", "/v1/completions"):
         return generation.openai_problem(body, chat=url == "/v1/chat/completions")
+    if url == "/v1/embeddings":
+        return "/v1/embeddings lines are not sent over gRPC; run them locally or with --url http://HOST:PORT"
     match = _MODEL_PATH.fullmatch(url)
     if match is not None and match["verb"] == "generate":
         return generation.generate_problem(body)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API for generation models: /v1/models, /v1/completions, /v1/chat/completions.
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, and /v1/embeddings (embeddings.py).
 
 Requests become the same GenerationInput the gRPC Generate call builds (the runner decodes and checks
 it); answers and streamed chunks follow OpenAI's objects, so the `openai` SDK and the tools built on it
@@ -28,7 +28,7 @@ from server.repository.registry import Registry
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
 from server.backends.base import parameter
-from server.doors.http import choices, streaming, tools
+from server.doors.http import choices, embeddings, streaming, tools
 from server.doors.http.response_format import FIELDS as STRUCTURED_FIELDS, structured_of
 from server.doors.http.body import read_body
 from server.doors.http.chat import Templates
@@ -69,11 +69,12 @@ class OpenAIRoutes:
     def routes(self) -> list[Route]:
         return [Route("/v1/models", self.models, methods=["GET"]),
                 Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"])]
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/embeddings", self.embeddings, methods=["POST"])]
 
     async def models(self, request: Request) -> Response:
-        names = sorted({mv.name for mv in self.registry.all_versions()
-                        if mv.ready and mv.runner is not None and mv.runner.serves == GENERATE})
+        names = sorted({mv.name for mv in self.registry.all_versions() if mv.ready and mv.runner is not None
+                        and (mv.runner.serves == GENERATE or getattr(mv.runner, "embeds", False))})
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "ferry"} for name in names]})
 
@@ -88,6 +89,12 @@ class OpenAIRoutes:
         arrival = time.monotonic_ns()
         body = await self._body(request)
         return await self._traced(self._chat_completions, request, body, arrival, "chat")
+
+    @_errors
+    async def embeddings(self, request: Request) -> Response:
+        arrival = time.monotonic_ns()
+        body = parse_json(await read_body(request, self.body_limit))
+        return JSONResponse(await embeddings.answer(self.registry, body, arrival))
 
     async def _traced(self, answer, request: Request, body: dict, arrival: int, operation: str) -> Response:
         """`answer(body, arrival, traced)`, with a GenerationTrace when this request is sampled."""
