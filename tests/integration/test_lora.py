@@ -5,6 +5,7 @@ prefix cache never hands one adapter's blocks to another."""
 
 from __future__ import annotations
 
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +27,7 @@ ADAPTERS = {"alpha": (4, 8, ["q_proj", "v_proj"]),
             "gamma": (2, 4, ["o_proj", "up_proj", "down_proj"])}
 PROMPTS = [[random.Random(i).randrange(2, 300) for _ in range(9 + 3 * i)] for i in range(4)]
 TOKENS = 16
+CHAT = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
 
 
 def build_adapter(base, folder, rank: int, alpha: int, targets: list[str], seed: int) -> None:
@@ -65,6 +67,7 @@ def env(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     adapters = tmp_path_factory.mktemp("adapters")
     base = llm_builders.build_model(repo / "llama" / "1", "llama")
+    (base / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT}))
     for seed, (name, (rank, alpha, targets)) in enumerate(ADAPTERS.items()):
         build_adapter(base, adapters / name, rank, alpha, targets, seed)
     modules = " ".join(f"{name}={adapters / name}" for name in ("alpha", "beta"))  # gamma comes at run time
