@@ -62,6 +62,20 @@ def merged_greedy(base, adapter, prompt: list[int], max_new_tokens: int) -> list
     return out[0, len(prompt):].tolist()
 
 
+class References(dict):
+    """(adapter name or "" for the base, prompt index) -> the reference's greedy tokens, computed when first asked."""
+
+    def __init__(self, base, adapters):
+        super().__init__()
+        self.base, self.adapters = base, adapters
+
+    def __missing__(self, case):
+        name, i = case
+        self[case] = (merged_greedy(self.base, self.adapters / name, PROMPTS[i], TOKENS) if name else
+                      llm_builders.reference_greedy(self.base, PROMPTS[i], TOKENS))
+        return self[case]
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
@@ -74,10 +88,8 @@ def env(tmp_path_factory):
     params = (f"parameters: {{lora_modules: {{string_value: '{modules}'}}, max_loras: {{string_value: '3'}}, "
               "max_lora_rank: {string_value: '8'}}\n")
     (repo / "llama" / "config.yaml").write_text(llm_builders.llm_config(max_num_batched_tokens=64) + params)
-    references = {(name, i): merged_greedy(base, adapters / name, prompt, TOKENS)
-                  for name in ADAPTERS for i, prompt in enumerate(PROMPTS)}
-    references.update({("", i): llm_builders.reference_greedy(base, prompt, TOKENS) for i, prompt in enumerate(PROMPTS)})
-    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*")
+    references = References(base, adapters)
+    server = RunningServer(repo, "--model-control-mode", "explicit", "--load-model", "*", timeout_s=300)
     yield server, adapters, references
     server.stop()
 
@@ -188,7 +200,7 @@ def test_run_time_loading_needs_explicit_model_control(tmp_path, env):
     llm_builders.build_model(repo / "llama" / "1", "llama")
     (repo / "llama" / "config.yaml").write_text(llm_builders.llm_config()
                                                 + "parameters: {enable_lora: {string_value: 'true'}}\n")
-    server = RunningServer(repo)
+    server = RunningServer(repo, timeout_s=300)
     try:
         refused = post(server, "/v1/load_lora_adapter", {"lora_name": "gamma", "lora_path": str(adapters / "gamma")})
         assert refused.status_code == 503 and "--model-control-mode explicit" in refused.text

@@ -27,7 +27,7 @@ class Linear(nn.Linear):
 
     onednn = False
     lora_a: torch.Tensor | None = None  # resident LoRA adapters' stacks, when the model serves them (lora.py)
-    lora_b: torch.Tensor | None = None
+    lora_b: list[torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """`lora`: the step's LoraStep, when some of its rows use an adapter."""

@@ -7,14 +7,14 @@ Linear adds `((x @ A_s^T) @ B_s^T) * scale` for the adapter `s` of each row (Pun
 batched low-rank product), so requests for any adapters and the base share one step and one KV pool.
 
 Resident adapters live in fixed slots (`max_loras`), stacked per Linear and padded to `max_lora_rank`:
-A as [slots, parts * rank, in], B as [slots, parts * rank, out] with the scale folded in. q/k/v (and
-gate/up) are one joined Linear here (llama.py), so an adapter's q, k and v parts sit side by side in A
-and block-diagonally in B: part p's rows of B write only part p's columns. A step gathers the slots
-its rows use (k of them) and does two small matmuls per Linear: u = x @ A^T [T, k * parts * rank],
-masked so each row keeps its own slot's columns, then u @ B [T, out]. Rows of the base model keep no
-column at all, and a step without adapter rows skips it all. Padding ranks are zeros, so they add
-exact zeros. Adapters not resident are read from their path on first use, evicting the least recently
-used one that the step does not need; the scheduler keeps at most `max_loras` adapters running, so a
+A as [slots, parts * rank, in] and B, scale folded in, as one [slots, rank, out_part] per part. q/k/v
+(and gate/up) are one joined Linear here (llama.py), so an adapter's q, k and v A's sit side by side and
+one matmul serves them all; each part's B then writes its own columns. A step gathers the slots its
+rows use (k of them; all of them in order: no copy) and runs, per Linear, u = x @ A^T [T, k * parts *
+rank], masked by a one-hot so each row keeps only its own slot's ranks, then u @ B per part. Rows of
+the base model keep nothing, and a step without adapter rows skips it all. Padding ranks are zeros, so
+they add exact zeros. Adapters not resident are read from their path on first use, evicting the least
+recently used one the step does not need; the scheduler keeps at most `max_loras` adapters running, so a
 step never needs more slots than there are.
 """
 
@@ -150,17 +150,22 @@ class LoraStats:
 class LoraStep:
     """One step's selection: which slots its rows use, and each row's one-hot over them."""
 
-    def __init__(self, slots: torch.Tensor, onehot: torch.Tensor):
-        self.slots = slots  # [k] resident slots used by this step
-        self.onehot = onehot  # [T, k, 1] 1 where the row's adapter is that slot; a base row is all 0
+    def __init__(self, slots: torch.Tensor | None, onehot: torch.Tensor):
+        self.slots = slots  # [k] resident slots used by this step; None: all of them, in order
+        self.onehot = onehot  # [T, k, 1, 1] 1 where the row's adapter is that slot; a base row is all 0
 
-    def add(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # a: [slots, parts * rank, in]; b: [slots, parts * rank, out]
-        k, t = self.slots.numel(), x.shape[0]
-        a, b = a[self.slots], b[self.slots]  # [k, P*R, in], [k, P*R, out]
+    def add(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bs: list[torch.Tensor]) -> torch.Tensor:
+        # a: [slots, parts * rank, in]; bs: one [slots, rank, out_part] per part
+        t, parts = x.shape[0], len(bs)
+        if self.slots is not None:  # only the slots this step uses (all of them: no copy)
+            a, bs = a[self.slots], [b[self.slots] for b in bs]
+        k, rank = a.shape[0], bs[0].shape[1]
         u = x @ a.reshape(-1, a.shape[-1]).T  # [T, k*P*R]
-        u = (u.view(t, k, -1) * self.onehot).view(t, -1)
-        return out + u @ b.reshape(-1, b.shape[-1])  # [T, out]
+        u = u.view(t, k, parts, rank) * self.onehot  # each row keeps its own slot's ranks
+        if parts == 1:
+            return out.add_(u.view(t, -1) @ bs[0].reshape(-1, bs[0].shape[-1]))
+        delta = torch.cat([u[:, :, p].reshape(t, -1) @ b.reshape(-1, b.shape[-1]) for p, b in enumerate(bs)], dim=1)
+        return out.add_(delta)  # [T, out]
 
 
 class LoraSet:
@@ -187,13 +192,13 @@ class LoraSet:
                 linear = layer.get_submodule(name)
                 p = len(parts)
                 linear.lora_a = torch.zeros(self.max_loras, p * self.rank, linear.in_features, device=device, dtype=dtype)
-                linear.lora_b = torch.zeros(self.max_loras, p * self.rank, linear.out_features, device=device, dtype=dtype)
+                linear.lora_b = [torch.zeros(self.max_loras, self.rank, size, device=device, dtype=dtype) for size in parts]
                 self.layers[(i, name)] = linear
                 self.parts[name] = parts
 
     @property
     def nbytes(self) -> int:
-        return sum(m.lora_a.nbytes + m.lora_b.nbytes for m in self.layers.values())
+        return sum(m.lora_a.nbytes + sum(b.nbytes for b in m.lora_b) for m in self.layers.values())
 
     # ------------------------------------------------------------ registrations (event loop)
     def read(self, name: str, path: str | Path) -> LoraAdapter:
@@ -226,12 +231,13 @@ class LoraSet:
             return None
         if len(used) + (None in adapters) > 1:
             self.stats.mixed_steps += 1
-        slots = self._resident(used)
-        position = {a.key: i for i, a in enumerate(used)}
-        per_entry = torch.tensor([-1 if a is None else position[a.key] for a in adapters], device=device)
+        slots = sorted(self._resident(used))
+        column = {a.key: slots.index(self.resident[a.key]) for a in used}  # the adapter's place among the step's slots
+        per_entry = torch.tensor([-1 if a is None else column[a.key] for a in adapters], device=device)
         rows = torch.repeat_interleave(per_entry, torch.tensor(counts, device=device))  # [T]
-        onehot = (rows[:, None] == torch.arange(len(used), device=device)).to(dtype).unsqueeze(-1)
-        return LoraStep(torch.tensor(slots, device=device), onehot)
+        onehot = (rows[:, None] == torch.arange(len(slots), device=device)).to(dtype)[:, :, None, None]
+        every = slots == list(range(self.max_loras))
+        return LoraStep(None if every else torch.tensor(slots, device=device), onehot)
 
     def _resident(self, used: list[LoraAdapter]) -> list[int]:
         if len(used) > self.max_loras:
@@ -261,7 +267,8 @@ class LoraSet:
         """Read the adapter's weights into `slot`, zeros wherever it has none (padding ranks, untargeted layers)."""
         for linear in self.layers.values():
             linear.lora_a[slot].zero_()
-            linear.lora_b[slot].zero_()
+            for b in linear.lora_b:
+                b[slot].zero_()
         r, R = adapter.rank, self.rank
         found = 0
         with safe_open(str(adapter.path / "adapter_model.safetensors"), framework="pt") as weights:
@@ -273,19 +280,17 @@ class LoraSet:
                 name, part = PLACES[module]
                 linear, sizes = self.layers[(layer, name)], self.parts[name]
                 tensor = weights.get_tensor(key)
-                rows = slice(part * R, part * R + r)
                 if which == "A":  # [r, in]
                     if tensor.shape != (r, linear.in_features):
                         raise InvalidInputError(f"LoRA adapter '{adapter.name}': {key} is {tuple(tensor.shape)}, "
                                                 f"expected ({r}, {linear.in_features})")
-                    linear.lora_a[slot, rows] = tensor.to(linear.lora_a.dtype)
-                else:  # [out_part, r], written transposed into the part's own columns, scale folded in
-                    start = sum(sizes[:part])
-                    b = (tensor.float() * adapter.scale).T.to(linear.lora_b.dtype)
+                    linear.lora_a[slot, part * R : part * R + r] = tensor.to(linear.lora_a.dtype)
+                else:  # [out_part, r], kept transposed with the scale folded in
+                    b = (tensor.float() * adapter.scale).T.to(linear.lora_a.dtype)
                     if b.shape != (r, sizes[part]):
                         raise InvalidInputError(f"LoRA adapter '{adapter.name}': {key} is {tuple(tensor.shape)}, "
                                                 f"expected ({sizes[part]}, {r})")
-                    linear.lora_b[slot, rows, start : start + sizes[part]] = b
+                    linear.lora_b[part][slot, :r] = b
                 found += 1
         self.stats.loads += 1
         log.info("LoRA adapter '%s' (rank %d, %d tensors) loaded into slot %d", adapter.name, r, found, slot)
