@@ -79,7 +79,9 @@ def weights_mib(folder: Path) -> float:
 def burst(address: str, jobs, models: list[str], adapters: list[str], name: str) -> dict:
     """All `jobs` at once; job i goes to models[i % len] with adapters[i % len] ("" for none)."""
     wall, ttft, itl = asyncio.run(ferry_run_lora(address, jobs, models, adapters))
-    return summary(name, sum(n for _, n in jobs), wall, ttft, itl)
+    row = summary(name, sum(n for _, n in jobs), wall, ttft, itl)
+    print(f"{name}: {row['output_tok_s']} tokens/s ({row['wall_s']} s)", flush=True)
+    return row
 
 
 async def ferry_run_lora(address, jobs, models, adapters):
