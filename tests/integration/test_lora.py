@@ -135,6 +135,14 @@ def test_openai_api_names_adapters_as_models(env):
     over_grpc = responses(server, "llama", PROMPTS[0], "beta")
     assert [t for r in over_grpc for t in r.token_ids] == references[("beta", 0)]
     assert answer.choices[0].text == "".join(r.text for r in over_grpc)
+    text_prompt = gen.GenerateRequest(model_name="llama", text="the ferry leaves", lora_name="alpha",
+                                      sampling=gen.SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+    over_grpc = "".join(r.text for r in gen_grpc.GenerationStub(server.channel).Generate(text_prompt, timeout=120))
+    body = {"text_input": "the ferry leaves", "exclude_input_in_output": True, "lora_name": "alpha",
+            "parameters": {"max_tokens": TOKENS, "ignore_eos": True, "temperature": 0}}
+    assert post(server, "/v2/models/llama/generate", body).json()["text_output"] == over_grpc  # Triton's generate
+    body.pop("lora_name")
+    assert post(server, "/v2/models/llama/generate", body).json()["text_output"] != over_grpc  # the base differs
     chat = client(server).chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}],
                                                   max_tokens=4, temperature=0)
     assert chat.model == "alpha" and chat.choices[0].message.content is not None

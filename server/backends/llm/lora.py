@@ -163,9 +163,13 @@ class LoraStep:
         u = x @ a.reshape(-1, a.shape[-1]).T  # [T, k*P*R]
         u = u.view(t, k, parts, rank) * self.onehot  # each row keeps its own slot's ranks
         if parts == 1:
-            return out.add_(u.view(t, -1) @ bs[0].reshape(-1, bs[0].shape[-1]))
-        delta = torch.cat([u[:, :, p].reshape(t, -1) @ b.reshape(-1, b.shape[-1]) for p, b in enumerate(bs)], dim=1)
-        return out.add_(delta)  # [T, out]
+            return out.addmm_(u.view(t, -1), bs[0].reshape(-1, bs[0].shape[-1]))  # [T, out]
+        start = 0
+        for p, b in enumerate(bs):  # each part's B adds into its own columns of the output
+            size = b.shape[-1]
+            out[:, start : start + size].addmm_(u[:, :, p].reshape(t, -1), b.reshape(-1, size))
+            start += size
+        return out  # [T, out]
 
 
 class LoraSet:
