@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\x11\x66\x65rry.generate.v1\"\xac\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\r\n\x05regex\x18\x0f \x01(\t\x12\x0e\n\x06\x63hoice\x18\x10 \x03(\t\x12\x0f\n\x07grammar\x18\x11 \x01(\t\x12\x13\n\x0bjson_object\x18\x12 \x01(\x08\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"|\n\nChatPrompt\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.ferry.generate.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\x9e\x02\n\x0fGenerateRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x1b.ferry.generate.v1.TokenIdsH\x00\x12-\n\x04\x63hat\x18\t \x01(\x0b\x32\x1d.ferry.generate.v1.ChatPromptH\x00\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.ferry.generate.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\r\x12\x12\n\ntimeout_us\x18\x08 \x01(\x04\x42\x08\n\x06prompt\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"e\n\rTokenLogprobs\x12+\n\x07sampled\x18\x01 \x01(\x0b\x32\x1a.ferry.generate.v1.Logprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.ferry.generate.v1.Logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xf7\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\'\n\x05usage\x18\x05 \x01(\x0b\x32\x18.ferry.generate.v1.Usage\x12+\n\x07timings\x18\x06 \x01(\x0b\x32\x1a.ferry.generate.v1.Timings\x12\x32\n\x08logprobs\x18\x07 \x03(\x0b\x32 .ferry.generate.v1.TokenLogprobs\x12\x15\n\rmodel_version\x18\x08 \x01(\t2c\n\nGeneration\x12U\n\x08Generate\x12\".ferry.generate.v1.GenerateRequest\x1a#.ferry.generate.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/generate.proto\x12\x11\x66\x65rry.generate.v1\"\xac\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\nmin_tokens\x18\t \x01(\r\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x15\n\x08logprobs\x18\r \x01(\rH\x02\x88\x01\x01\x12\x13\n\x0bjson_schema\x18\x0e \x01(\t\x12\r\n\x05regex\x18\x0f \x01(\t\x12\x0e\n\x06\x63hoice\x18\x10 \x03(\t\x12\x0f\n\x07grammar\x18\x11 \x01(\t\x12\x13\n\x0bjson_object\x18\x12 \x01(\x08\x42\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"|\n\nChatPrompt\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.ferry.generate.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x18\n\x16_add_generation_prompt\"\xb1\x02\n\x0fGenerateRequest\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\n\n\x02id\x18\x03 \x01(\t\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x1b.ferry.generate.v1.TokenIdsH\x00\x12-\n\x04\x63hat\x18\t \x01(\x0b\x32\x1d.ferry.generate.v1.ChatPromptH\x00\x12\x33\n\x08sampling\x18\x06 \x01(\x0b\x32!.ferry.generate.v1.SamplingParams\x12\x10\n\x08priority\x18\x07 \x01(\r\x12\x12\n\ntimeout_us\x18\x08 \x01(\x04\x12\x11\n\tlora_name\x18\n \x01(\tB\x08\n\x06prompt\";\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"e\n\rTokenLogprobs\x12+\n\x07sampled\x18\x01 \x01(\x0b\x32\x1a.ferry.generate.v1.Logprob\x12\'\n\x03top\x18\x02 \x03(\x0b\x32\x1a.ferry.generate.v1.Logprob\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"M\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x02 \x01(\x01\x12\x10\n\x08total_ms\x18\x03 \x01(\x01\"\xf7\x01\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\'\n\x05usage\x18\x05 \x01(\x0b\x32\x18.ferry.generate.v1.Usage\x12+\n\x07timings\x18\x06 \x01(\x0b\x32\x1a.ferry.generate.v1.Timings\x12\x32\n\x08logprobs\x18\x07 \x03(\x0b\x32 .ferry.generate.v1.TokenLogprobs\x12\x15\n\rmodel_version\x18\x08 \x01(\t2c\n\nGeneration\x12U\n\x08Generate\x12\".ferry.generate.v1.GenerateRequest\x1a#.ferry.generate.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,17 +40,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATPROMPT']._serialized_start=546
   _globals['_CHATPROMPT']._serialized_end=670
   _globals['_GENERATEREQUEST']._serialized_start=673
-  _globals['_GENERATEREQUEST']._serialized_end=959
-  _globals['_LOGPROB']._serialized_start=961
-  _globals['_LOGPROB']._serialized_end=1020
-  _globals['_TOKENLOGPROBS']._serialized_start=1022
-  _globals['_TOKENLOGPROBS']._serialized_end=1123
-  _globals['_USAGE']._serialized_start=1125
-  _globals['_USAGE']._serialized_end=1182
-  _globals['_TIMINGS']._serialized_start=1184
-  _globals['_TIMINGS']._serialized_end=1261
-  _globals['_GENERATERESPONSE']._serialized_start=1264
-  _globals['_GENERATERESPONSE']._serialized_end=1511
-  _globals['_GENERATION']._serialized_start=1513
-  _globals['_GENERATION']._serialized_end=1612
+  _globals['_GENERATEREQUEST']._serialized_end=978
+  _globals['_LOGPROB']._serialized_start=980
+  _globals['_LOGPROB']._serialized_end=1039
+  _globals['_TOKENLOGPROBS']._serialized_start=1041
+  _globals['_TOKENLOGPROBS']._serialized_end=1142
+  _globals['_USAGE']._serialized_start=1144
+  _globals['_USAGE']._serialized_end=1201
+  _globals['_TIMINGS']._serialized_start=1203
+  _globals['_TIMINGS']._serialized_end=1280
+  _globals['_GENERATERESPONSE']._serialized_start=1283
+  _globals['_GENERATERESPONSE']._serialized_end=1530
+  _globals['_GENERATION']._serialized_start=1532
+  _globals['_GENERATION']._serialized_end=1631
 # @@protoc_insertion_point(module_scope)

@@ -84,6 +84,8 @@ def grpc_operation(method: str) -> Operation:
 def http_operation(path: str) -> Operation:
     if path in HTTP_PROBES:
         return Operation(HEALTH, probe=True)
+    if path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        return Operation(MODEL_REPOSITORY, control=True)  # vLLM's: they change what is served
     if path.startswith("/v1/"):
         return Operation(INFERENCE)  # the OpenAI API
     if path.startswith(("/v2/systemsharedmemory", "/v2/cudasharedmemory")):

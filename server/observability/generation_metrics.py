@@ -23,6 +23,7 @@ _VLLM_PREFIX = {"prefix_query_tokens": "prefix_queries", "prefix_hit_tokens": "p
 # counter name -> guided.GuidedStats field (backends/llm/guided.py)
 _GUIDED_COUNTERS = {"guided_rows": "rows", "guided_mixed_steps": "mixed_steps", "guided_compiles": "compiles",
                     "guided_compile_us": "compile_us", "guided_mask_wait_us": "mask_wait_us"}
+_LORA_COUNTERS = {"lora_mixed_steps": "mixed_steps", "lora_loads": "loads", "lora_evictions": "evictions"}
 _TOKEN_BUCKETS_US = (1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
 
 
@@ -79,6 +80,11 @@ class GenerationFamilies:
         self.guided_mask_wait_us = Counter("ferry_structured_output_mask_wait_us", "Time steps waited for grammar "
                                            "masks after their forward pass (masks are computed during it)",
                                            _LABELS, registry=registry)
+        self.lora_mixed_steps = Counter("ferry_lora_mixed_steps", "Steps whose rows used more than one LoRA adapter "
+                                        "(the base model counting as one)", _LABELS, registry=registry)
+        self.lora_loads = Counter("ferry_lora_loads", "LoRA adapters read into a resident slot", _LABELS, registry=registry)
+        self.lora_evictions = Counter("ferry_lora_evictions", "Resident LoRA adapters dropped to make room for another",
+                                      _LABELS, registry=registry)
         self.queue_us = histogram("ferry_generation_queue_duration_us", "Arrival to first scheduled step")
         self.ttft_us = histogram("ferry_time_to_first_token_us", "Arrival to first generated token")
         self.itl_us = histogram("ferry_inter_token_latency_us", "Time between consecutive tokens of a sequence")
@@ -104,11 +110,12 @@ class GenerationStats:
                 "running", "waiting", "kv_used", "kv_total", "fragmentation", "preemptions", "step_reruns",
                 "queue_us", "ttft_us", "itl_us", "e2e_us", "step_us", "step_tokens", "kv_cached", *_PREFIX_COUNTERS,
                 "prefix_hit_rate_tokens", "prefix_hit_rate_blocks", *_SPEC_COUNTERS, "spec_acceptance_rate",
-                "shared_prefix_reads", "prompt_tokens", "generation_tokens", *_GUIDED_COUNTERS)}
+                "shared_prefix_reads", "prompt_tokens", "generation_tokens", *_GUIDED_COUNTERS, *_LORA_COUNTERS)}
         self._prefix_seen = dict.fromkeys(_PREFIX_COUNTERS, 0)
         self._spec_seen = dict.fromkeys(_SPEC_COUNTERS, 0)
         self._shared_reads_seen = 0
         self._guided_seen = dict.fromkeys(_GUIDED_COUNTERS, 0.0)
+        self._lora_seen = dict.fromkeys(_LORA_COUNTERS, 0)
 
     def set_state(self, running: int, waiting: int, kv_used: int, kv_total: int, fragmentation: float, preemptions: int) -> None:
         added, self.preemptions = preemptions - self.preemptions, preemptions
@@ -158,6 +165,16 @@ class GenerationStats:
             if total > self._guided_seen[name]:
                 self._c[name].inc(total - self._guided_seen[name])
                 self._guided_seen[name] = total
+
+    def set_lora(self, stats) -> None:
+        """`stats`: the engine's LoraStats (running totals); counters advance by what is new."""
+        if not self._c:
+            return
+        for name, field in _LORA_COUNTERS.items():
+            total = getattr(stats, field)
+            if total > self._lora_seen[name]:
+                self._c[name].inc(total - self._lora_seen[name])
+                self._lora_seen[name] = total
 
     def set_shared_prefix_reads(self, total: int) -> None:
         """`total`: the engine's running count of key reads saved by shared-prefix attention."""

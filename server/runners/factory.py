@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -247,6 +248,9 @@ def generation_runner(name: str, entry: LoadedVersion, stats: ModelStats, gen_st
     pool = KVBlockPool(backend.num_kv_blocks, backend.settings.block_size, settings.enable_prefix_caching,
                        backend.released_window)
     speculative = speculative_settings(entry.config)
-    scheduler = ContinuousScheduler(settings.continuous, pool, Speculator(speculative) if speculative else None)
+    continuous = settings.continuous
+    if backend.loras is not None:  # as many adapters run at once as the engine holds
+        continuous = dataclasses.replace(continuous, max_loras=backend.loras.max_loras)
+    scheduler = ContinuousScheduler(continuous, pool, Speculator(speculative) if speculative else None)
     return GenerationRunner(name, entry.version, backend, scheduler, stats, gen_stats, settings.default_max_tokens,
                             budget)

@@ -19,7 +19,8 @@ from typing import Any, AsyncIterator
 from server.backends.llm import torch_thread
 from server.backends.llm.engine import LLMBackend
 from server.backends.llm.tokenizer import IncrementalDetokenizer, StopStrings
-from server.errors import BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelUnavailableError
+from server.errors import (BackendError, DeadlineExceededError, FerryError, InvalidInputError, ModelNotFoundError,
+                           ModelUnavailableError)
 from server.observability import traffic
 from server.observability.generation_metrics import GenerationStats
 from server.observability.metrics import ModelStats
@@ -46,6 +47,7 @@ class GenerationInput:
     priority: int = 0
     timeout_us: int = 0  # the request's own timeout (0: none)
     rpc_deadline_ns: int | None = None  # the call's (or stream's) gRPC deadline, monotonic
+    lora_name: str = ""  # a LoRA adapter of the model ("": the base); also read from sampling's `lora_name`
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,7 @@ class GenerationRequest:
     priority: int
     deadline_ns: int | None
     arrival_ns: int
+    adapter: Any = None  # the LoRA adapter it runs with (backends/llm/lora.LoraAdapter), None: the base model
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,12 @@ class GenerationRunner(RunnerBase):
                 text = text.decode()
             except UnicodeDecodeError as exc:
                 raise InvalidInputError(f"the prompt is not valid UTF-8: {exc}") from None
-        sampling = sampling_params(given.sampling, self.default_max_tokens)
+        raw = given.sampling
+        lora_name = given.lora_name or raw.get("lora_name") or ""  # Triton's vLLM backend reads it there
+        if "lora_name" in raw:
+            raw = {k: v for k, v in raw.items() if k != "lora_name"}
+        adapter = self.adapter(lora_name)
+        sampling = sampling_params(raw, self.default_max_tokens)
         for name, value in (("priority", given.priority), ("timeout", given.timeout_us)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidInputError(f"parameter '{name}' must be a non-negative integer, got {value!r}")
@@ -140,7 +148,34 @@ class GenerationRunner(RunnerBase):
             self._check_length(len(prompt), sampling.max_tokens)
         own = given.arrival_ns + given.timeout_us * 1000 if given.timeout_us else None
         deadline = min((d for d in (own, given.rpc_deadline_ns) if d is not None), default=None)
-        return GenerationRequest(prompt, text or "", sampling, given.priority, deadline, given.arrival_ns)
+        return GenerationRequest(prompt, text or "", sampling, given.priority, deadline, given.arrival_ns, adapter)
+
+    def adapter(self, name) -> Any:
+        """The registered LoRA adapter `name` (None for ""); an unknown one is NOT_FOUND."""
+        if not name:
+            return None
+        if not isinstance(name, str):
+            raise InvalidInputError(f"'lora_name' must be a string, got {name!r}")
+        if self.backend.loras is None:
+            raise ModelNotFoundError(f"LoRA adapter '{name}' is not loaded: model '{self.name}' serves no LoRA "
+                                     "adapters (set its parameter enable_lora or lora_modules)")
+        return self.backend.loras.get(name, self.name)
+
+    def adapter_names(self) -> list[str]:
+        return sorted(self.backend.loras.adapters) if self.backend.loras is not None else []
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Register an adapter at run time (its folder is checked now, its weights read on first use)."""
+        if self.backend.loras is None:
+            raise InvalidInputError(f"model '{self.name}' serves no LoRA adapters (set its parameter enable_lora)")
+        adapter = await asyncio.to_thread(self.backend.loras.read, name, path)
+        self.backend.loras.register(adapter)
+
+    def unload_adapter(self, name: str) -> None:
+        """New requests naming it are refused at once; those already running finish with it."""
+        if self.backend.loras is None:
+            raise ModelNotFoundError(f"LoRA adapter '{name}' is not loaded: model '{self.name}' serves no LoRA adapters")
+        self.backend.loras.unregister(name)
 
     def _check_length(self, prompt_tokens: int, max_tokens: int) -> None:
         """vLLM's refusal, in its words (clients parse the numbers to trim their prompts): a prompt plus an
@@ -168,7 +203,8 @@ class GenerationRunner(RunnerBase):
 
     async def _stream(self, request: GenerationRequest, prompt_ids: list[int]) -> AsyncIterator[GenerationEvent]:
         seq = Sequence(next(self._ids), list(prompt_ids), len(prompt_ids), request.sampling,
-                       priority=request.priority or 1, arrival_ns=request.arrival_ns, deadline_ns=request.deadline_ns)
+                       priority=request.priority or 1, arrival_ns=request.arrival_ns, deadline_ns=request.deadline_ns,
+                       lora=request.adapter, lora_key=request.adapter.key if request.adapter is not None else b"")
         stream = _Stream(asyncio.Queue(), IncrementalDetokenizer(self.backend.tokenizer, prompt_ids),
                          StopStrings(request.sampling.stop))
         seq.handle = stream
@@ -350,6 +386,8 @@ class GenerationRunner(RunnerBase):
             self.gen_stats.set_guided(guides.stats)
         if s.speculator is not None:
             self.gen_stats.set_speculative(s.speculator.stats)
+        if self.backend.loras is not None:
+            self.gen_stats.set_lora(self.backend.loras.stats)
         self.stats.set_gauges(s.gauges())
 
     async def _shutdown(self) -> None:

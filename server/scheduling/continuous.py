@@ -21,6 +21,9 @@ in `postprocess`; the runner only adds text-level stops. eos and stop token ids 
 the first `min_tokens` tokens (the sampler also keeps them from being chosen there). With a
 speculator (speculative.py), decoding sequences are given drafts from what the step leaves, and
 `postprocess` keeps only the drafts the model agreed with.
+With LoRA adapters (a sequence's `lora_key`), at most `max_loras` distinct adapters run at once, as the
+engine holds that many: a waiting sequence whose adapter would be one too many is passed over (it keeps
+its place) for those behind it whose adapter is already running, or that use the base model.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ class ContinuousSettings:
     max_step_ms: float = 0.0  # step-time target (0: none, or the automatic one); see step_budget.py
     auto_step_target: float = 0.0  # with max_step_ms 0: that many times a full batch of decodes' cost (0: none)
     min_prefill_tokens: int = 32  # prompt tokens a step offers whatever the target
+    max_loras: int = 0  # LoRA adapters running at once (the engine's resident slots); 0: no adapters served
 
 
 @dataclass(slots=True)
@@ -199,10 +203,22 @@ class ContinuousScheduler:
         return True
 
     def _admit(self, entries: list, budget: int, prefill: int) -> tuple[int, int]:
+        passed: list[tuple] = []  # waiting entries whose adapter cannot run yet (max_loras), pushed back after
+        try:
+            return self._admit_waiting(entries, budget, prefill, passed)
+        finally:
+            for entry in passed:
+                heapq.heappush(self._waiting, entry)
+
+    def _admit_waiting(self, entries: list, budget: int, prefill: int, passed: list) -> tuple[int, int]:
         # The margin protects running sequences from at-once re-eviction; with none running, a request
         # that needs the whole pool must still be admitted or it would block the queue forever.
+        adapters = {s.lora_key for s in self.running if s.lora_key}
         while self._waiting and min(budget, prefill) > 0 and len(self.running) < self.settings.max_num_seqs:
             seq = self._waiting[0][-1]
+            if seq.lora_key and seq.lora_key not in adapters and len(adapters) >= self.settings.max_loras:
+                passed.append(heapq.heappop(self._waiting))
+                continue
             hit = self.pool.match(seq)
             cached = len(hit) * self.pool.block_size
             n = min(seq.num_tokens - cached, budget, prefill)  # only what the cache does not hold is computed
@@ -215,6 +231,8 @@ class ContinuousScheduler:
             seq.status = SeqStatus.RUNNING
             seq.admitted = next(self._admissions)
             self.running.append(seq)
+            if seq.lora_key:
+                adapters.add(seq.lora_key)
             entries.append((seq, n))
             budget -= n
             prefill -= n

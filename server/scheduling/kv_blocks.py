@@ -88,7 +88,7 @@ class KVBlockPool:
         if not self.prefix_caching:
             return []
         hit = []
-        for name in prefix_hashes(seq.token_ids, self.block_size, (seq.num_tokens - 1) // self.block_size):
+        for name in prefix_hashes(seq.token_ids, self.block_size, (seq.num_tokens - 1) // self.block_size, seq.lora_key):
             block = self.cache.lookup(name)
             if block is None:
                 break
@@ -114,7 +114,7 @@ class KVBlockPool:
                 self.cache.revive(block)
             self._refs[block] += 1
         seq.block_table = [RELEASED] * (len(hit) - len(visible)) + visible
-        seq.block_hashes = prefix_hashes(seq.token_ids, self.block_size, len(hit))
+        seq.block_hashes = prefix_hashes(seq.token_ids, self.block_size, len(hit), seq.lora_key)
         self.allocate(seq, num_tokens)
         stats = self.cache.stats
         stats.query_tokens += seq.num_tokens
@@ -130,7 +130,7 @@ class KVBlockPool:
         known = len(seq.block_hashes)
         if full <= known:
             return
-        parent = seq.block_hashes[-1] if known else b""
+        parent = seq.block_hashes[-1] if known else seq.lora_key
         names = prefix_hashes(seq.token_ids[known * self.block_size :], self.block_size, full - known, parent)
         for block, name in zip(seq.block_table[known:full], names):
             self.cache.register(block, name)

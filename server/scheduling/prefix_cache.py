@@ -5,7 +5,9 @@ name stands for the whole prefix up to the block's end: two sequences with the s
 have the same first (i + 1) * block_size tokens, hence the same K/V there. The chain is a 128-bit
 BLAKE2b digest, not Python's `hash`, so no one can craft a prompt that collides with another user's
 prefix and reads its cache. Anything else that changes the K/V (weights, dtype) is fixed per pool:
-each model version has its own pool, so its prefixes are never mixed with another version's.
+each model version has its own pool, so its prefixes are never mixed with another version's. A LoRA
+adapter changes the K/V within one pool, so a sequence's chain starts from its adapter's key (the
+sequence's `lora_key`, unique per registration) instead of ROOT: two adapters never share a block.
 
 Blocks whose last reference went away but that still hold a named prefix are "idle": they count as
 free, and are handed out again, least recently used first, only when the plain free list is empty.

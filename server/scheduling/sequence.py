@@ -74,6 +74,8 @@ class Sequence:
     cancelled: bool = False
     handle: Any = None  # the engine's per-request channel; opaque to the scheduler
     guide: Any = None  # the grammar matcher of a constrained sequence (backends/llm/guided.py); only the engine reads it
+    lora: Any = None  # the LoRA adapter it runs with (backends/llm/lora.py); only the engine reads it
+    lora_key: bytes = b""  # that adapter's identity (b"": the base model): its prefix-cache seed, its admission group
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from protos import grpc_service_pb2 as pb
-from tests import kserve, model_kinds
+from tests import kserve
 from tests.conftest import RunningServer
 
 FAN_MODEL = '''

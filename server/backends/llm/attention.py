@@ -26,7 +26,7 @@ float biases made once per step: SDPA turns a bool mask into the same bias on ev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -70,6 +70,7 @@ class StepMetadata:
     varlen: VarlenStep | None = None  # set: the paged flash kernel reads the cache instead (paged_kernel.py)
     prefixes: list[SharedPrefix] = field(default_factory=list)  # blocks many sequences share (shared_prefix.py)
     decodes: DecodeStep | None = None  # set: the decodes are read in place by the CPU kernel (cpu_decode.py), not grouped
+    lora: Any = None  # set: some rows use a LoRA adapter (lora.LoraStep)
 
 
 PADDING = 1.25  # a group's padded query-key pairs may be this many times its real ones ...

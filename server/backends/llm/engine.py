@@ -15,13 +15,13 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, Device
-from server.backends.llm import cpu_decode, guided, linear, paged_kernel, shared_prefix, torch_thread
+from server.backends.llm import cpu_decode, guided, linear, lora, paged_kernel, shared_prefix, torch_thread
 from server.backends.llm.attention import StepMetadata, build_group, split_by_length
 from server.backends.llm.hf_config import LlamaArgs
 from server.backends.llm.llama import LlamaForCausalLM, rope_inv_freq
 from server.backends.llm.sampler import History, TokenLogprobs, choose
 from server.backends.llm.tokenizer import TextTokenizer
-from server.errors import ConfigError, InvalidInputError
+from server.errors import ConfigError, FerryError, InvalidInputError
 from server.scheduling.continuous import StepPlan
 from server.scheduling.sequence import Constraint
 
@@ -83,6 +83,8 @@ class LLMBackend(Backend):
         super().__init__(config, model_path, device)
         self.folder = model_path.parent
         self.settings = EngineSettings.from_config(config.generation, str(self.folder))
+        self.lora_settings = lora.LoraSettings.from_config(config, model_path.parent.parent)
+        self.loras: lora.LoraSet | None = None  # with LoRA on: the adapters and their resident slots
         self.logprobs: dict[int, list[TokenLogprobs]] = {}  # filled by `step`, emptied by `take_logprobs`
         self.shared_prefix_reads = 0  # key reads a layer saved by shared-prefix attention, since load
 
@@ -102,6 +104,13 @@ class LLMBackend(Backend):
             linear.use_onednn(self.model)
         # .to(dtype) converts buffers too; rotary frequencies rounded to bf16 would skew positions.
         self.model.inv_freq = rope_inv_freq(self.args).to(self.torch_device)
+        if self.lora_settings.enabled:
+            self.loras = lora.LoraSet(self.lora_settings, self.model, self.torch_device, self.dtype)
+            for name, path in self.lora_settings.modules:
+                try:
+                    self.loras.register(self.loras.read(name, path))
+                except FerryError as exc:
+                    raise ConfigError(f"model '{self.config.name}': parameter 'lora_modules': {exc}") from None
         self.tokenizer = TextTokenizer(self.folder)
         self.eos_token_ids = self.tokenizer.eos_token_ids or self.args.eos_token_ids
         self.guides, self.guides_error = None, ""
@@ -215,6 +224,9 @@ class LLMBackend(Backend):
         masks = self.guides.masks([(samplers[i].guide, histories[i].output) for i in constrained],
                                   len(samplers)) if constrained else None
         meta = StepMetadata(torch.tensor(slots, dtype=torch.long, device=device), [])
+        if self.loras is not None:
+            meta.lora = self.loras.step([seq.lora for seq, _ in plan.entries], [n for _, n in plan.entries],
+                                        device, self.dtype)
         if self.paged_kernel:  # every entry in step order: the kernel reads the queries packed as they are
             _, lengths, computed, tables = zip(*sorted(decode + verify + prefill, key=lambda e: e[0]))
             meta.varlen = paged_kernel.build_step(lengths, computed, tables, bs, device)

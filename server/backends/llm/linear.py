@@ -26,11 +26,18 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same weight names) whose matmul `use_onednn` can hand to oneDNN."""
 
     onednn = False
+    lora_a: torch.Tensor | None = None  # resident LoRA adapters' stacks, when the model serves them (lora.py)
+    lora_b: list[torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """`lora`: the step's LoraStep, when some of its rows use an adapter."""
         if self.onednn:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
-        return F.linear(x, self.weight, self.bias)
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if lora is not None and self.lora_a is not None:
+            out = lora.add(out, x, self.lora_a, self.lora_b)
+        return out
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:

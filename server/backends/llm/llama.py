@@ -73,7 +73,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata):
         t, h, kvh = x.shape[0], self.heads, self.kv_heads
-        qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)
+        qkv = self.qkv_proj(x, meta.lora).view(t, h + 2 * kvh, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises each head before rotating it
             qk = torch.cat((self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h : h + kvh])), dim=1)
         else:
@@ -87,7 +87,7 @@ class Attention(nn.Module):
             out = paged_kernel.attend(q.contiguous(), k_cache, v_cache, meta.varlen, self.window)
         else:
             out = paged_attention(q, k_cache, v_cache, meta, self.sliding)  # [T, H, D]
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(t, -1), meta.lora)
 
 
 class MLP(nn.Module):
@@ -96,9 +96,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)  # joined at load
         self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x, lora=None):
+        gate, up = self.gate_up_proj(x, lora).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up, lora)
 
 
 class DecoderLayer(nn.Module):
@@ -111,7 +111,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), meta.lora)
 
 
 class Backbone(nn.Module):

@@ -44,6 +44,7 @@ class GenerationServicer(gen_grpc.GenerationServicer):
             arrival, text=text,
             token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
             sampling=_sampling(request.sampling), priority=request.priority, timeout_us=request.timeout_us,
+            lora_name=request.lora_name,
             rpc_deadline_ns=arrival + int(remaining * 1e9) if remaining is not None else None))
         if traced is not None:
             traced.started(mv.version, request.id, decoded.sampling)

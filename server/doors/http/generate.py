@@ -33,7 +33,8 @@ from server.doors.http.errors import message_of
 from server.doors.http.kserve import kserve_errors, model_paths
 from server.doors.http.tensors import parse_json
 
-_INPUTS = {"text_input", "max_tokens", "stream", "exclude_input_in_output", "sampling_parameters", "parameters", "id"}
+_INPUTS = {"text_input", "max_tokens", "stream", "exclude_input_in_output", "sampling_parameters", "parameters", "id",
+           "lora_name"}
 
 
 class GenerateRoutes:
@@ -139,7 +140,8 @@ def generation_input(body, arrival_ns: int) -> GenerationInput:
     if "sampling_parameters" in body:
         sampling.update(_json_object(body["sampling_parameters"]))
     return GenerationInput(arrival_ns, text=body["text_input"], sampling=from_strings(sampling),
-                           priority=params.get("priority", 0), timeout_us=params.get("timeout", 0))
+                           priority=params.get("priority", 0), timeout_us=params.get("timeout", 0),
+                           lora_name=body.get("lora_name") or params.get("lora_name") or "")
 
 
 def whole_text(body: dict, text: str) -> str:

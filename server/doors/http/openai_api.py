@@ -23,12 +23,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from server.errors import InvalidInputError
-from server.doors.shared import serving
 from server.repository.registry import Registry
 from server.runners.base import GENERATE
 from server.runners.generation import GenerationInput
 from server.backends.base import parameter
-from server.doors.http import choices, embeddings, streaming, tools
+from server.doors.http import choices, embeddings, lora_api, streaming, tools
 from server.doors.http.response_format import FIELDS as STRUCTURED_FIELDS, structured_of
 from server.doors.http.body import read_body
 from server.doors.http.chat import Templates
@@ -76,7 +75,8 @@ class OpenAIRoutes:
         names = sorted({mv.name for mv in self.registry.all_versions() if mv.ready and mv.runner is not None
                         and (mv.runner.serves == GENERATE or getattr(mv.runner, "embeds", False))})
         return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "ferry"} for name in names]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "ferry"} for name in names]
+            + lora_api.adapter_entries(self.registry)})
 
     @_errors
     async def completions(self, request: Request) -> Response:
@@ -113,17 +113,18 @@ class OpenAIRoutes:
 
     async def _completions(self, body: dict, arrival: int, traced) -> Response:
         wanted = choices.counts(body, completions=True)
-        mv = serving(self.registry, model_of(body), "", GENERATE)
+        mv, adapter = lora_api.resolve(self.registry, model_of(body))
         text, ids = prompt_of(body.get("prompt"))
-        given = GenerationInput(arrival, text=text, token_ids=ids, sampling=sampling_of(body, completion_logprobs(body)))
+        given = GenerationInput(arrival, text=text, token_ids=ids, sampling=sampling_of(body, completion_logprobs(body)),
+                                lora_name=adapter)
         decoded = mv.runner.decode(given)
-        reply = Reply("cmpl", "text_completion", mv.name, chat=False)
+        reply = Reply("cmpl", "text_completion", adapter or mv.name, chat=False)
         echo = decoded.prompt_text if body.get("echo") else ""
         return await self._answer(mv, decoded, body, reply, echo, wanted, traced)
 
     async def _chat_completions(self, body: dict, arrival: int, traced) -> Response:
         wanted = choices.counts(body, completions=False)
-        mv = serving(self.registry, model_of(body), "", GENERATE)
+        mv, adapter = lora_api.resolve(self.registry, model_of(body))
         plan = tools.plan_of(body, parameter(mv.config, "tool_call_parser", "hermes"))
         messages = body.get("messages")
         if plan is not None and isinstance(messages, list):
@@ -136,8 +137,8 @@ class OpenAIRoutes:
             if "structured_outputs" in sampling:
                 raise InvalidInputError(f"tool_choice {plan.mode!r} constrains the output already; drop 'response_format'")
             sampling.update(enforced)
-        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=sampling))
-        reply = Reply("chatcmpl", "chat.completion", mv.name, chat=True)
+        decoded = mv.runner.decode(GenerationInput(arrival, text=prompt, sampling=sampling, lora_name=adapter))
+        reply = Reply("chatcmpl", "chat.completion", adapter or mv.name, chat=True)
         reply.tools = plan
         return await self._answer(mv, decoded, body, reply, "", wanted, traced)
 

@@ -28,6 +28,7 @@ from server.observability.tracing.control import TraceControl
 from server.doors.http.gate import Gate
 from server.doors.http.generate import GenerateRoutes
 from server.doors.http.kserve import KServeRoutes
+from server.doors.http.lora_api import LoraRoutes
 from server.doors.http.openai_api import OpenAIRoutes
 from server.doors.http.probes import ProbeRoutes
 from server.doors.http.shared_memory import SharedMemoryRoutes
@@ -57,6 +58,7 @@ def build_app(registry: Registry, health, drain: Drain, access: AccessPolicy, co
               + SharedMemoryRoutes(regions, options.body_limit).routes()
               + GenerateRoutes(registry, options.body_limit, tracing).routes()
               + OpenAIRoutes(registry, options.body_limit, tracing).routes()
+              + LoraRoutes(registry, options.body_limit, control).routes()
               + ProbeRoutes(health, metrics).routes())
     return Gate(Starlette(routes=routes), drain, access, counter)
 
