@@ -354,7 +354,17 @@ class Host:
         return json.loads(response.parameters()).get("value")
 
     def metric(self, *update) -> None:
-        self.link.send((p.METRIC, *update))
+        """Acknowledged, as Triton's stub waits for its server: a /metrics read the model makes right after an
+        update (its own tests do) sees the update. Bounded, so a server that stopped answering cannot hold
+        finalize."""
+        ref, future = next(self._refs), Future()
+        self._pending[ref] = (future, None)
+        self._wanted.set()
+        self.link.send((p.METRIC, ref, *update))
+        try:
+            future.result(timeout=30)
+        except TimeoutError:
+            self._pending.pop(ref, None)
 
     def log(self, level: int, message: str) -> None:
         self.link.send((p.LOG, level, message))

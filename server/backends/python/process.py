@@ -415,8 +415,11 @@ class ModelProcess:
         calls = self._calls()
         kind = frame[0]
         if kind == p.METRIC:
-            if calls is not None:
-                calls.metric(self.model, self.version, frame[1:])
+            try:
+                if calls is not None:
+                    calls.metric(self.model, self.version, frame[2:])
+            finally:  # the model waits for this: an update is visible on /metrics once its call returns
+                self._send((p.CALLED, frame[1], ([], None, {}), True))
             return
         ref = frame[1]
 

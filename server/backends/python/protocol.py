@@ -35,7 +35,7 @@ Model process -> server:
   UNCALL(ref)                            model code cancelled its decoupled BLS call (the response iterator's
                                          cancel()): its request is cancelled; CALLED frames go on until the final one
   CONTROL(ref, op, name, version, config) load_model / unload_model / is_model_ready
-  METRIC(op, family, labels, value)      custom metrics: the server owns the Prometheus families
+  METRIC(ref, op, family, labels, value) custom metrics: the server owns the Prometheus families; CALLED acks
   LOG(level, message)                    pb_utils.Logger
   CHECKED(ref, ready)                    is_ready()'s answer
   FREE([offsets])                        blocks of the server's half the model is done with
