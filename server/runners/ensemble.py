@@ -181,17 +181,8 @@ class EnsembleRunner(RunnerBase):
         if model.runner.serves != INFER:
             raise InvalidInputError(f"model '{model.name}' streams its answers and cannot be an ensemble step")
         step_request = _step_request(model, step, request, tensors, rows)
-        if request.trace is not None:  # traced: the step's request is traced too, with parent_id
-            step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
-        try:
-            outputs = await model.runner.infer(step_request)
-            if step_request.trace is not None:
-                step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
-            return outputs, step_request.batch_size if model.signature.batching else 0
-        finally:
-            if step_request.trace is not None:
-                step_request.trace.mark(REQUEST_END)
-                step_request.trace.finish()
+        with _traced(request, model, step_request):
+            return _answer(model, step_request, await model.runner.infer(step_request))
 
     async def stream(self, request: InferRequest) -> AsyncIterator[dict[str, np.ndarray]]:
         """The ensemble's responses when a step is decoupled: one for every fork of the walk that makes the
@@ -266,18 +257,10 @@ class EnsembleRunner(RunnerBase):
             async with _lease(self.lookup, step.model_name, request.deadline_ns):
                 model = self.lookup(step.model_name, _version(step))
                 step_request = _step_request(model, step, request, tensors, rows)
-                if request.trace is not None:
-                    step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
-                try:
+                with _traced(request, model, step_request):
                     async with contextlib.aclosing(model.runner.stream(step_request)) as responses:
                         async for outputs in responses:
-                            if step_request.trace is not None:
-                                step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
-                            yield outputs, step_request.batch_size if model.signature.batching else 0
-                finally:
-                    if step_request.trace is not None:
-                        step_request.trace.mark(REQUEST_END)
-                        step_request.trace.finish()
+                            yield _answer(model, step_request, outputs)
         except FerryError as exc:
             raise type(exc)(f"{where} failed: {exc.message}") from exc
 
@@ -289,6 +272,26 @@ class EnsembleRunner(RunnerBase):
 
     def _abandon_all(self, error: ModelUnavailableError) -> None:
         """Requests in flight wait on their step models, which answer them however they stop."""
+
+
+@contextlib.contextmanager
+def _traced(request: InferRequest, model: StepModel, step_request: InferRequest):
+    """A traced ensemble request's step is traced too (parent_id), and its trace ends however the step does."""
+    if request.trace is not None:
+        step_request.trace = step_trace(request.trace, model.name, model.runner.version, step_request.inputs)
+    try:
+        yield
+    finally:
+        if step_request.trace is not None:
+            step_request.trace.mark(REQUEST_END)
+            step_request.trace.finish()
+
+
+def _answer(model: StepModel, step_request: InferRequest, outputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
+    """A step's outputs (recorded at level TENSORS) with their rows: the step's batch size, 0 without batching."""
+    if step_request.trace is not None:
+        step_request.trace.tensor(TENSOR_BACKEND_OUTPUT, outputs)
+    return outputs, step_request.batch_size if model.signature.batching else 0
 
 
 def _version(step: Step) -> str:

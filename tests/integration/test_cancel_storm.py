@@ -19,7 +19,7 @@ pytest.importorskip("transformers", reason="transformers builds the reference mo
 from protos import generate_pb2 as gen
 from protos import generate_pb2_grpc as gen_grpc
 from tests import llm_builders
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, wait_for
 
 MODEL = "llama"
 STREAMS = 150  # per storm: a third before the first token, a third mid-stream, a third by a deadline
@@ -44,10 +44,7 @@ def server(tmp_path_factory):
 def live(server) -> dict[str, int]:
     server.dump.unlink(missing_ok=True)
     os.kill(server.proc.pid, signal.SIGUSR1)
-    deadline = time.monotonic() + 60
-    while not server.dump.exists():
-        assert time.monotonic() < deadline, "the server did not count its objects"
-        time.sleep(0.05)
+    wait_for(server.dump.exists, 60, what="the server to count its objects")
     return json.loads(server.dump.read_text())
 
 
