@@ -142,7 +142,8 @@ def test_from_trace_replays_the_recorded_count_and_sizes(mlp_repo, tmp_path):
         assert len(rows) >= 3  # the A/A pair and a candidate
         for row in rows:  # each replay: the recorded count of requests, and the server saw the recorded rows
             assert (row["requests"], row["completed"], row["served"], row["rows"]) == (len(sizes), len(sizes), len(sizes), sum(sizes))
-        # the replays were recorded too: each one the same sizes in the same order
+        # the replays were recorded too (the recorder writes behind the answers): each one the same sizes in order
+        wait_for(lambda: len(recorded()) >= len(sizes) * (1 + len(rows)), 30, "the recording to hold every replay")
         replayed = [line["inputs"]["X"][0] for line in recorded()[len(sizes):]]
         assert replayed == sizes * len(rows)
     finally:
@@ -221,6 +222,7 @@ def test_generation_traffic_is_recorded_and_replayed_with_its_token_counts(tmp_p
         assert len(rows) >= 3
         for row in rows:  # every replay: the recorded requests, each generating the recorded token count
             assert (row["requests"], row["completed"], row["output_tokens"]) == (3, 3, sum(m for _, m in asks))
+        wait_for(lambda: len(recorded()) >= len(asks) * (1 + len(rows)), 30, "the recording to hold every replay")
         replayed = [(line["prompt_tokens"], line["max_tokens"]) for line in recorded()[len(asks):]]
         assert replayed == [(len(p), m) for p, m in asks] * len(rows)
     finally:
