@@ -85,6 +85,9 @@ def _serve_parser(sub) -> None:
     access.add_argument("--model-memory-budget", action="append", default=[], metavar="SIZE|cuda:N=SIZE",
                         help="on_demand: memory the loaded models may hold, e.g. 2GiB (host memory) or cuda:0=30GiB "
                              "(a device's; repeatable or comma-separated); models over it are evicted, least recently used first")
+    access.add_argument("--model-load-patience", type=float, default=1.0, metavar="SECONDS",
+                        help="on_demand: how long a load waits for busy models to go idle when a colder model than "
+                             "the one it would evict is busy, or busy models hold the room it needs (default 1)")
     access.add_argument("--rate-limit", choices=("off", "execution_count"), default="off",
                         help="as Triton's: execution_count applies each instance_group's rate_limiter (an instance runs "
                              "only while its resources are free, priority orders the waiting); off (the default) ignores it")
@@ -158,6 +161,7 @@ def main(argv: list[str] | None = None) -> None:
         grpc_header_forward=args.grpc_header_forward_pattern,
         model_control_mode=args.model_control_mode,
         model_memory_budget=_memory_budget(parser, args),
+        model_load_patience_s=args.model_load_patience,
         rate_limit=args.rate_limit,
         rate_limit_resources=_rate_limit_resources(parser, args),
         allow_model_upload=args.allow_model_upload,
@@ -242,6 +246,8 @@ def _memory_budget(parser: argparse.ArgumentParser, args) -> tuple[tuple[str, in
         parser.error("--model-memory-budget needs --model-control-mode on_demand (the other modes load what they are told)")
     if args.model_control_mode == "on_demand" and args.frontend_processes > 1:
         parser.error("--model-control-mode on_demand serves from one process: it does not work with --frontend-processes yet")
+    if args.model_load_patience < 0:
+        parser.error("--model-load-patience: seconds, 0 or more")
     try:
         return tuple(sorted(parse_budget(args.model_memory_budget).items()))
     except ValueError as exc:

@@ -59,6 +59,7 @@ class ServerConfig:
     grpc_header_forward: str | None = None  # --grpc-header-forward-pattern: metadata made request parameters
     model_control_mode: str = "none"  # Triton's none (load all, refuse load/unload) | poll | explicit | on_demand (Ferry's)
     model_memory_budget: tuple[tuple[str, int], ...] = ()  # on_demand: (place, bytes), place 'host' or 'cuda:N'
+    model_load_patience_s: float = 1.0  # on_demand: a load's wait for busy residents (server/repository/on_demand.py)
     rate_limit: str = "off"  # Triton's --rate-limit: off | execution_count (instance_group rate_limiter applied)
     rate_limit_resources: tuple = ()  # --rate-limit-resource: ((name, device or None for each device), count)
     allow_model_upload: bool = False  # explicit mode: loads may carry model files (`file:` parameters)

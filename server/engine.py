@@ -103,7 +103,8 @@ def build_engine(config: ServerConfig) -> Engine:
     control = ModelControl(registry, config.model_control_mode, config.allow_model_upload)
     factory.control.bind(control)  # pb_utils.load_model / unload_model, under the same mode as the doors
     if config.model_control_mode == "on_demand":
-        registry.on_demand = OnDemand(registry, Residency(dict(config.model_memory_budget)))
+        registry.on_demand = OnDemand(registry, Residency(dict(config.model_memory_budget)),
+                                      config.model_load_patience_s)
         log.info("on-demand model control: models load on their first request; model memory budget: %s",
                  registry.on_demand.in_use())
     prom.register(ResidencyCollector(registry, registry.on_demand))

@@ -5,7 +5,9 @@ Requests hold a lease on their model (`lease`) from the moment they arrive until
 a model with a lease is busy and never evicted. The first lease on a cold model starts its load;
 every other request for it waits on the same load, within its own deadline. Loads run one at a time,
 so each one's measured footprint (server/repository/footprint.py) is its own and each eviction
-decision sees the last one's result.
+decision sees the last one's result. A load is patient for a moment (`patience_s`) when the models it
+should evict are still busy: it waits for a colder busy model to go idle rather than evict a hotter idle
+one, and for busy models to free the room rather than refuse the load.
 """
 
 from __future__ import annotations
@@ -39,14 +41,16 @@ class LoadCounts:
 
 
 class OnDemand:
-    def __init__(self, registry: Registry, residency: Residency):
+    def __init__(self, registry: Registry, residency: Residency, patience_s: float = 1.0):
         self.registry, self.residency = registry, residency
+        self.patience_s = patience_s  # how long a load waits for busy residents before it settles for the idle ones
         self.counts = LoadCounts()
         self._users: Counter[str] = Counter()  # requests arrived and not yet answered, per model
         self._loads: dict[str, asyncio.Task] = {}  # the one load in progress per model
         self._one_at_a_time = asyncio.Lock()
         self._sizes: dict[str, Footprint] = {}  # each model's last measured footprint: its next load's estimate
         self._trims: set[asyncio.Task] = set()  # evictions after a load measured larger than expected
+        self._released = asyncio.Event()  # set whenever a model's last request is answered
 
     @contextlib.asynccontextmanager
     async def lease(self, name: str, remaining_s: float | None = None):
@@ -61,6 +65,7 @@ class OnDemand:
             self._users[name] -= 1
             if not self._users[name]:
                 del self._users[name]
+                self._released.set()
 
     def idle(self, name: str) -> bool:
         """Nothing queued or executing: no request holds a lease, no batch waits in its runners."""
@@ -89,7 +94,7 @@ class OnDemand:
             if not self.registry.is_cold(name):
                 return  # loaded by the time this load's turn came
             need = self._expected(name)
-            for victim in self.residency.plan(name, need, self.idle):
+            for victim in await self._victims(name, need):
                 await self._evict(victim, LRU, f"to make room for model '{name}' ({need.shown()} expected)")
             began = time.monotonic()
             error = await self.registry.load_cold(name)
@@ -100,6 +105,24 @@ class OnDemand:
                 log.error("model '%s' failed to load on demand after %.2f s: %s", name, seconds, error)
                 raise ModelUnavailableError(f"failed to load model '{name}': {error}")
             self._admit(name, seconds)
+
+    async def _victims(self, name: str, need: Footprint) -> list[str]:
+        """The residents to evict for `name`, after waiting up to `patience_s` for busy ones to go idle when
+        a colder one is busy or the room is held by busy models."""
+        self.residency.check_fits_alone(name, need)  # no wait helps a model larger than the budget
+        give_up = time.monotonic() + self.patience_s
+        while True:
+            self._released.clear()
+            try:
+                victims = self.residency.plan(name, need, self.idle)
+            except ResourceExhaustedError:
+                if time.monotonic() >= give_up:
+                    raise
+            else:
+                if time.monotonic() >= give_up or not self.residency.colder_busy(victims, self.idle):
+                    return victims
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), max(0.0, give_up - time.monotonic()))
 
     def _admit(self, name: str, seconds: float) -> None:
         footprint = self.registry.footprint(name)

@@ -84,9 +84,8 @@ class Residency:
         over = self._over(need)
         if not over:
             return []
-        order = {n: i for i, n in enumerate(self.resident)}
-        candidates = sorted((n for n, r in self.resident.items() if n != name and not r.pinned and idle(n)),
-                            key=lambda n: (self.resident[n].priority, *self.uses.get(n, (-1, -1)), order[n]))
+        rank = self._ranks()
+        candidates = sorted((n for n, r in self.resident.items() if n != name and not r.pinned and idle(n)), key=rank.get)
         victims = []
         for victim in candidates:
             if not over:
@@ -102,6 +101,16 @@ class Residency:
                 "or models with requests queued or executing; retry when they are idle")
         return victims
 
+    def colder_busy(self, victims: list[str], idle: Callable[[str], bool]) -> list[str]:
+        """Busy residents that rank colder than the hottest of `victims`: were they idle, they would leave
+        first. Under a Zipf load the model loaded a moment ago for a one-off request is often still serving
+        it when the next cold load plans, and then a hot model would go in its place (bench/many_models.py)."""
+        if not victims:
+            return []
+        rank = self._ranks()
+        hottest = max(rank[v] for v in victims)
+        return [n for n, r in self.resident.items() if not r.pinned and not idle(n) and rank[n] < hottest]
+
     def excess(self, keep: str, idle: Callable[[str], bool]) -> list[str]:
         """After a load measured larger than planned: idle models to evict to come back under the budget."""
         try:
@@ -115,6 +124,11 @@ class Residency:
 
     def evict(self, name: str) -> Resident | None:
         return self.resident.pop(name, None)
+
+    def _ranks(self) -> dict[str, tuple[int, ...]]:
+        """Each resident's place in the eviction order (smallest leaves first): eviction priority, then the
+        second-to-last and last request, then residence order."""
+        return {n: (r.priority, *self.uses.get(n, (-1, -1)), i) for i, (n, r) in enumerate(self.resident.items())}
 
     def _used_without(self, place: str, leaving: set[str]) -> int:
         return sum(r.footprint.bytes_by_place.get(place, 0) for n, r in self.resident.items() if n not in leaving)

@@ -13,7 +13,7 @@ from onnx import TensorProto, helper
 
 from protos import grpc_service_pb2 as pb
 from tests import builders, kserve
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, wait_for
 
 WIDTH = 512  # each model holds a WIDTH x WIDTH float32 weight: 1 MiB on disk and in memory
 MODEL_MIB = 10  # what each declares (memory_bytes): five fit in the budget
@@ -57,6 +57,38 @@ class TritonPythonModel:
         return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)])
                 for r in requests]
 '''
+
+
+BUSY_EXECUTE = '''
+import os, pathlib, time
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import json
+        params = json.loads(args["model_config"])["parameters"]
+        self.started, self.gate = params["started"]["string_value"], params["gate"]["string_value"]
+
+    def execute(self, requests):
+        import triton_python_backend_utils as pb_utils
+        pathlib.Path(self.started).touch()
+        deadline = time.monotonic() + 120  # a forgotten gate does not hold the server forever
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("Y", pb_utils.get_input_tensor_by_name(r, "X").as_numpy() * 2)])
+                for r in requests]
+'''
+
+
+def busy_model(folder, started, gate) -> None:
+    """A python model (10 MiB declared) whose execute says it `started`, then holds until `gate` exists."""
+    (folder / "1").mkdir(parents=True)
+    (folder / "1" / "model.py").write_text(BUSY_EXECUTE)
+    params = {"started": str(started), "gate": str(gate), "memory_bytes": f"{MODEL_MIB}MiB"}
+    (folder / "config.yaml").write_text(
+        "backend: python\nmax_batch_size: 8\ninput: [{name: X, data_type: TYPE_FP32, dims: [2]}]\n"
+        "output: [{name: Y, data_type: TYPE_FP32, dims: [2]}]\nparameters: {"
+        + ", ".join(f"{k}: {{string_value: '{v}'}}" for k, v in params.items()) + "}\n")
 
 
 def slow_load_model(folder, gate, fail: str = "") -> None:
@@ -212,7 +244,8 @@ def test_flags_are_checked(tmp_path):
     import sys
 
     for flags, words in ((["--model-memory-budget", "1GiB"], "needs --model-control-mode on_demand"),
-                         (["--model-control-mode", "on_demand", "--model-memory-budget", "lots"], "is not a size")):
+                         (["--model-control-mode", "on_demand", "--model-memory-budget", "lots"], "is not a size"),
+                         (["--model-control-mode", "on_demand", "--model-load-patience", "-1"], "0 or more")):
         done = subprocess.run([sys.executable, "-m", "server", "serve", "--model-repository", str(tmp_path), *flags],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and words in done.stderr
@@ -259,3 +292,76 @@ def test_http_requests_load_cold_models_and_statistics_show_the_footprint(twenty
         assert too_big.status_code == 429 and "100.0 MiB" in too_big.json()["error"]
     finally:
         server.stop()
+
+
+def test_a_load_waits_for_a_colder_busy_model_rather_than_evict_a_hot_one(tmp_path):
+    """Five slots: four hot models requested again and again, and a one-off model still serving its only
+    request when a fifth model loads. Evicting the idle hot model would be the wrong trade: the load waits
+    for the one-off to finish and evicts it."""
+    repo, started, gate = tmp_path / "repo", tmp_path / "started", tmp_path / "gate"
+    for i in range(1, 6):
+        matmul_model(repo / f"m{i:02d}", seed=i)
+    busy_model(repo / "oneoff", started, gate)
+    server = on_demand(repo, "--model-load-patience", "120")
+    try:
+        for _ in range(2):
+            for i in range(1, 5):
+                kserve.infer(server.channel, f"m{i:02d}", {"X": X})
+        with ThreadPoolExecutor(2) as pool:
+            oneoff = pool.submit(kserve.infer, server.channel, "oneoff", {"X": np.ones((1, 2), np.float32)})
+            wait_for(started.exists, 60, "the one-off model to start executing")
+            fifth = pool.submit(kserve.infer, server.channel, "m05", {"X": X})
+            server.wait_for_metric("ferry_model_load_waiting_requests", 1, timeout_s=60, model="m05")
+            assert all(index(server)[f"m{i:02d}"][0] == "READY" for i in range(1, 5))  # nothing hot left for it
+            gate.touch()
+            np.testing.assert_array_equal(oneoff.result()["Y"], np.full((1, 2), 2, np.float32))
+            np.testing.assert_allclose(fifth.result()["Y"], X @ weight(5), rtol=1e-4, atol=1e-3)
+        assert server.metric("ferry_model_evictions", model="oneoff", reason="lru") == 1
+        assert all(not server.metric("ferry_model_evictions", model=f"m{i:02d}", reason="lru") for i in range(1, 5))
+        assert all(index(server)[f"m{i:02d}"][0] == "READY" for i in range(1, 6))
+    finally:
+        gate.touch()
+        server.stop()
+
+
+def test_a_load_waits_for_busy_models_to_free_the_room_instead_of_refusing(tmp_path):
+    repo, started, gate = tmp_path / "repo", tmp_path / "started", tmp_path / "gate"
+    matmul_model(repo / "m01", seed=1)
+    busy_model(repo / "holder", started, gate)
+    server = RunningServer(repo, "--model-control-mode", "on_demand", "--model-memory-budget", f"{MODEL_MIB}MiB",
+                           "--model-load-patience", "120")
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            holder = pool.submit(kserve.infer, server.channel, "holder", {"X": np.ones((1, 2), np.float32)})
+            wait_for(started.exists, 60, "the holder to start executing")
+            other = pool.submit(kserve.infer, server.channel, "m01", {"X": X})  # no room while the holder works
+            server.wait_for_metric("ferry_model_load_waiting_requests", 1, timeout_s=60, model="m01")
+            gate.touch()
+            np.testing.assert_array_equal(holder.result()["Y"], np.full((1, 2), 2, np.float32))
+            np.testing.assert_allclose(other.result()["Y"], X @ weight(1), rtol=1e-4, atol=1e-3)
+        assert server.metric("ferry_model_evictions", model="holder", reason="lru") == 1
+    finally:
+        gate.touch()
+        server.stop()
+
+
+def test_with_no_patience_busy_models_holding_the_room_refuse_the_load(tmp_path):
+    repo, started, gate = tmp_path / "repo", tmp_path / "started", tmp_path / "gate"
+    matmul_model(repo / "m01", seed=1)
+    busy_model(repo / "holder", started, gate)
+    server = RunningServer(repo, "--model-control-mode", "on_demand", "--model-memory-budget", f"{MODEL_MIB}MiB",
+                           "--model-load-patience", "0")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            holder = pool.submit(kserve.infer, server.channel, "holder", {"X": np.ones((1, 2), np.float32)})
+            wait_for(started.exists, 60, "the holder to start executing")
+            with pytest.raises(grpc.RpcError) as info:
+                kserve.infer(server.channel, "m01", {"X": X})
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "retry when they are idle" in info.value.details()
+            gate.touch()
+            holder.result()
+        np.testing.assert_allclose(kserve.infer(server.channel, "m01", {"X": X})["Y"], X @ weight(1), rtol=1e-4, atol=1e-3)
+    finally:
+        gate.touch()
+        server.stop()
+

@@ -123,3 +123,18 @@ def test_rate_limit_resource_flag():
     for bad in ("R1", "R1:x", "R1:1:gpu"):
         with pytest.raises(ValueError):
             parse_resource(bad)
+
+
+def test_a_busy_model_colder_than_the_victim_is_named():
+    """The load waits for these: evicting the hot idle model while a one-off model is busy costs the hot one."""
+    residency = Residency({"host": 30 * MiB})
+    for name in ("hot1", "hot2", "oneoff"):
+        residency.admit(name, Footprint({"host": 10 * MiB}), None)
+    for name in ("hot1", "hot2", "hot1", "hot2", "oneoff"):
+        residency.touch(name)
+    busy = {"oneoff"}
+    victims = residency.plan("next", Footprint({"host": 10 * MiB}), lambda n: n not in busy)
+    assert victims == ["hot1"]
+    assert residency.colder_busy(victims, lambda n: n not in busy) == ["oneoff"]
+    assert residency.plan("next", Footprint({"host": 10 * MiB}), lambda n: True) == ["oneoff"]
+    assert residency.colder_busy(["oneoff"], lambda n: n not in {"hot1"}) == []  # a hotter busy one is no reason
