@@ -216,3 +216,29 @@ def test_run_time_loading_needs_explicit_model_control(tmp_path, env):
         assert "gamma" not in {m.id for m in client(server).models.list().data}
     finally:
         server.stop()
+
+
+def test_more_adapters_than_slots_take_turns_and_stay_exact(tmp_path, env):
+    """max_loras 2 with three adapters asked at once: a step never carries more than two (the scheduler
+    holds the third back), resident adapters are evicted least recently used first, and every answer
+    stays token-exact with its merged reference."""
+    _, adapters, references = env
+    repo = tmp_path / "repo"
+    llm_builders.build_model(repo / "llama" / "1", "llama")
+    modules = " ".join(f"{name}={adapters / name}" for name in ADAPTERS)
+    (repo / "llama" / "config.yaml").write_text(
+        llm_builders.llm_config(max_num_batched_tokens=64) + f"parameters: {{lora_modules: {{string_value: '{modules}'}}, "
+        "max_loras: {string_value: '2'}, max_lora_rank: {string_value: '8'}}\n")
+    server = RunningServer(repo, timeout_s=300)
+    try:
+        cases = [(name, i) for i in range(2) for name in ADAPTERS] + [("", 0)]
+        with ThreadPoolExecutor(len(cases)) as pool:
+            got = list(pool.map(lambda c: generate(server, "llama", PROMPTS[c[1]], c[0]), cases))
+        assert got == [references[case] for case in cases]
+        for name in ADAPTERS:  # three in turn over two slots: at least one of them is loaded again
+            assert generate(server, "llama", PROMPTS[2], name) == references[(name, 2)]
+        loads = server.metric("ferry_lora_loads_total", model="llama")
+        evictions = server.metric("ferry_lora_evictions_total", model="llama")
+        assert loads >= len(ADAPTERS) + 1 and evictions == loads - 2  # two slots: every load past them evicted one
+    finally:
+        server.stop()
