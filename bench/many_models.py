@@ -137,6 +137,7 @@ def run_system(repo: Path, extra: list[str], sequence: list[int], rate: float, s
                 "model_bytes": metric_sum(metrics, "ferry_model_memory_bytes") or 0.0,
                 "evictions": metric_sum(metrics, "ferry_model_evictions_total"),
                 "loads": metric_sum(metrics, "ferry_model_loads_total"),
+                "load_seconds": metric_sum(metrics, "ferry_model_load_duration_seconds_total"),
                 "hot_evictions": sum(metric_sum(metrics, f'ferry_model_evictions_total\\{{model="m{i:02d}",reason="[a-z_]+"\\}}')
                                      for i in range(HOT)),
                 "largest_model": max((float(v) for v in re.findall(r'^ferry_model_memory_bytes\{[^}]*\} (\S+)$',
@@ -176,7 +177,9 @@ def main() -> None:
             f"{alone['largest_model'] / 2**20:.1f} MiB; loaded all at once at start-up they measure up to "
             f"{loaded_info['largest_model'] / 2**20:.1f} MiB, each load's figure holding some of the others'), budget for {args.resident}; open loop {args.rate:.0f} req/s "
             f"for {args.seconds:.0f} s, Zipf s=1.1 (same sequence for both).\n\n{common.table(rows, columns)}\n\n{ratios}\n\n"
-            f"on_demand: {demand_info['loads']:.0f} loads, {demand_info['evictions'] / minutes:.0f} evictions per minute "
+            f"on_demand: {demand_info['loads']:.0f} loads ({1e3 * demand_info['load_seconds'] / max(demand_info['loads'], 1):.1f} ms "
+            f"each on average, {demand_info['load_seconds']:.1f} s of loading in {demand_info['elapsed']:.0f} s), "
+            f"{demand_info['evictions'] / minutes:.0f} evictions per minute "
             f"({demand_info['hot_evictions']:.0f} of them of the hottest {HOT}); "
             f"tail p99 (models outside the hottest {HOT}, where the loads happen) {demand['tail_p99_ms']} ms. Peak RSS "
             f"{demand_info['peak_rss'] / 2**20:.1f} MiB against budget + baseline ({demand_info['baseline_rss'] / 2**20:.1f} MiB) "
