@@ -402,7 +402,8 @@ class Host:
         request = p.record(p.Request, request)
         inputs = [pb.Tensor(t[0], self._view(t)) for t in request.inputs]
         return pb.InferenceRequest("", inputs, list(request.requested), request.id, request.correlation_id,
-                                   request.flags, parameters=request.parameters, _call=call, _index=index)
+                                   request.flags, request.timeout_us, parameters=request.parameters, _call=call,
+                                   _index=index)
 
     def _reply(self, response) -> p.Reply:
         if isinstance(response, pb.TritonError):
