@@ -48,7 +48,8 @@ def put(name: str, array: np.ndarray, arena: Arena | None, blocks: Allocator | N
         return Tensor(name, api, tuple(array.shape), nbytes, None, bytearray(_bytes_of(array)))
     offset = blocks.allocate(nbytes) if blocks is not None and nbytes else None
     if offset is None:
-        return Tensor(name, api, tuple(array.shape), nbytes, None, raw if raw is not None else array.tobytes())
+        # a bytearray for the same reason: model code may hand an input to DLPack, which needs writable memory
+        return Tensor(name, api, tuple(array.shape), nbytes, None, raw if raw is not None else bytearray(_bytes_of(array)))
     if raw is not None:
         arena.view[offset : offset + nbytes] = raw
     else:

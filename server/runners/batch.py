@@ -241,7 +241,7 @@ class ModelRunner(RunnerBase):
             self.stats.record_deadline_miss()
             waited_ms = (now - request.enqueue_ns) / 1e6
             self._fail(request, DeadlineExceededError(
-                f"request to model '{self.name}' waited {waited_ms:.1f} ms in the queue and its deadline "
+                f"Request timeout expired: request to model '{self.name}' waited {waited_ms:.1f} ms in the queue and its deadline "
                 "passed before it could run"))
 
     def _dispatch(self, batch: Batch, now: int, worker: Worker) -> None:

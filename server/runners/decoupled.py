@@ -259,8 +259,8 @@ class DecoupledRunner(RunnerBase):
         self.stats.record_deadline_miss()
         waited_ms = (time.monotonic_ns() - waiting.request.arrival_ns) / 1e6
         waiting.opened.set_exception(DeadlineExceededError(
-            f"request to model '{self.name}' waited {waited_ms:.1f} ms in the queue and its deadline passed before "
-            "it could run"))
+            f"Request timeout expired: request to model '{self.name}' waited {waited_ms:.1f} ms in the queue and its "
+            "deadline passed before it could run"))
 
     # ---- feeding the instances, on the event loop
     def _dispatch(self) -> None:

@@ -88,14 +88,16 @@ class ModelCalls:
                            parent, held: list) -> None:
         trace, error = None, None
         try:
-            model = self.lookup(call.model, call.version)
+            with _refused_as_triton(call.model):
+                model = self.lookup(call.model, call.version)
             if parent is not None:  # the calling request is traced: this call is its child
                 trace = call_trace(parent, model.name, model.runner.version, call.request_id,
                                    started=model.runner.serves != GENERATE)
             if model.runner.serves == GENERATE:
                 await _generate(model, call, inputs, answer, deadline_ns, trace)
                 return
-            request = _request(model, call, inputs, deadline_ns)
+            with _refused_as_triton(call.model):
+                request = _request(model, call, inputs, deadline_ns)
             request.trace = trace
             held.append(request)
             _traced(trace, TENSOR_QUEUE_INPUT, request.inputs)
@@ -163,6 +165,20 @@ class ModelCalls:
     def restarted(self, model: str, version: int) -> None:
         if self.restarts is not None:
             self.restarts.restarted(model, version)
+
+
+@contextlib.contextmanager
+def _refused_as_triton(model: str):
+    """A call refused before it reaches the model (no such model, not ready, inputs that do not fit) is
+    worded as Triton's request executor words it, `Model <name> - Error when running inference: <why>`:
+    model code written for Triton tells these apart from the model's own errors by that prefix."""
+    try:
+        yield
+    except FerryError as exc:  # a new error of the same class (its status), not the one a registry may keep
+        refused = type(exc).__new__(type(exc))
+        refused.__dict__.update(exc.__dict__)
+        FerryError.__init__(refused, f"Model {model} - Error when running inference: {exc.message}")
+        raise refused from exc
 
 
 def _cancel_request(running: Future, held: list) -> None:

@@ -159,7 +159,7 @@ class PythonBackend(Backend):
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Ferry's `class Model`: the batch joined, one execute."""
         process = self._alive()
-        request = ("", [process.put(n, a) for n, a in inputs.items()], (), {}, 0, 0)  # a p.Request, as it travels
+        request = ("", [process.put(n, a) for n, a in inputs.items()], (), {}, 0, 0, 0)  # a p.Request, as it travels
         del inputs
         reply = self._ask(process, [request])
         if isinstance(reply[0], FerryError):
@@ -208,7 +208,7 @@ class PythonBackend(Backend):
         """`send_requests` for Ferry's `class Model`: the batch joined, one execute; `answered(outputs or
         error)`."""
         process = self.process
-        request = ("", [process.put(n, a) for n, a in inputs.items()], (), {}, 0, 0)  # a p.Request, as it travels
+        request = ("", [process.put(n, a) for n, a in inputs.items()], (), {}, 0, 0, 0)  # a p.Request, as it travels
         self._in_flight += 1
 
         def replied(replies) -> None:
@@ -265,7 +265,7 @@ class PythonBackend(Backend):
         """The request as it travels: a p.Request's fields in a plain tuple (protocol.py)."""
         params = request.parameters
         return (request.id, [process.put(n, a) for n, a in inputs.items()], tuple(request.requested_outputs),
-                dict(params) if params else {}, request.correlation_id, request.sequence_flags)
+                dict(params) if params else {}, request.correlation_id, request.sequence_flags, request.timeout_us)
 
     def _outputs(self, process: ModelProcess, reply: tuple | str, final: bool = False) -> dict[str, np.ndarray] | FerryError:
         """A p.Reply as it travelled (a plain tuple), or RESCHEDULE."""

@@ -211,6 +211,8 @@ class Tensor:
             raise TritonModelException(f"tensor '{self._name}' holds BYTES, which DLPack cannot carry")
         if self._array.dtype == _BF16:  # numpy's DLPack has no bfloat16: torch carries it (models using BF16 have torch)
             return _bf16_capsule(self._array)
+        if not self._array.flags.writeable:  # DLPack before 1.0 cannot say read-only: hand over a copy
+            return self._array.copy().__dlpack__()
         return self._array.__dlpack__()
 
     @staticmethod
@@ -353,14 +355,22 @@ class InferenceTrace:
         return None
 
 
+_REQUIRED = object()  # an argument Triton's InferenceRequest has no default for
+
+
 class InferenceRequest:
     """A request given to execute, or (built by model code) a BLS request to another model."""
 
-    def __init__(self, model_name: str = "", inputs: list[Tensor] = (), requested_output_names: list[str] = (),
-                 request_id: str = "", correlation_id=0, flags: int = 0, timeout: int = 0, model_version: int = -1,
-                 parameters: dict | None = None, preferred_memory=None, trace: InferenceTrace | None = None,
-                 _call: int | None = None, _index: int = 0):
+    def __init__(self, model_name: str = _REQUIRED, inputs: list[Tensor] = _REQUIRED,
+                 requested_output_names: list[str] = _REQUIRED, request_id: str = "", correlation_id=0, flags: int = 0,
+                 timeout: int = 0, model_version: int = -1, parameters: dict | None = None, preferred_memory=None,
+                 trace: InferenceTrace | None = None, _call: int | None = None, _index: int = 0):
         if _call is None:  # built by model code: its arguments are checked as Triton's bindings check them
+            missing = [name for name, value in (("model_name", model_name), ("inputs", inputs),
+                                                ("requested_output_names", requested_output_names))
+                       if value is _REQUIRED]
+            if missing:  # required in Triton's signature: a request to nobody, or for nothing, is a coding error
+                raise TypeError(f"InferenceRequest: missing required argument(s) {', '.join(missing)}")
             _check_request_args(model_name, requested_output_names, request_id, correlation_id, flags, model_version)
             inputs = _tensors(inputs, "InferenceRequest", "inputs")
         self.model_name = model_name.decode() if isinstance(model_name, bytes) else str(model_name)  # a BYTES element

@@ -79,6 +79,7 @@ class Request(NamedTuple):
     parameters: dict[str, Any]
     correlation_id: int | str = 0
     flags: int = 0
+    timeout_us: int = 0  # the request's own timeout (a client's `timeout` parameter, a BLS call's `timeout=`)
 
 
 class Reply(NamedTuple):

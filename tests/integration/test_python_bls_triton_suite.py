@@ -1,0 +1,164 @@
+"""What Triton's own BLS suite (qa/L0_backend_python/bls, models qa/python_models/bls*) holds a Python
+backend to, on a machine without a GPU, with models written for this test:
+
+- `InferenceRequest` needs `model_name`, `inputs` and `requested_output_names` (TypeError without one);
+- a call refused before it reaches the called model (no such model, inputs that do not fit) reads as
+  Triton's request executor words it: `Model <name> - Error when running inference: <why>`;
+- a call whose `timeout=` (microseconds) passes while it waits in the called model's queue fails with
+  Triton's `Request timeout expired`, and the called model reads the timeout with `request.timeout()`;
+- `to_dlpack()` works on every tensor model code holds: an input too large for the model process's arena
+  (it travels in the frame) and a Tensor made from a read-only array.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import kserve
+from tests.conftest import RunningServer
+
+# Runs the checks of Triton's bls model that need no GPU; answers what it saw, as JSON.
+CALLER = '''
+import asyncio
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+BIG_TIMEOUT_US = 11000000000
+
+
+def refused(**kwargs):
+    try:
+        pb_utils.InferenceRequest(**kwargs)
+    except TypeError:
+        return True
+    return False
+
+
+class TritonPythonModel:
+    async def execute(self, requests):
+        responses = []
+        for request in requests:
+            x = pb_utils.Tensor("INPUT0", np.ones([1, 4], np.float32))
+            seen = {
+                "no_model_name": refused(inputs=[], requested_output_names=["OUTPUT0"]),
+                "no_inputs": refused(model_name="tident", requested_output_names=["OUTPUT0"]),
+                "no_requested": refused(model_name="tident", inputs=[x]),
+            }
+            unknown = pb_utils.InferenceRequest(model_name="tnope", inputs=[], requested_output_names=[]).exec()
+            seen["unknown"] = unknown.error().message() if unknown.has_error() else None
+            missing = pb_utils.InferenceRequest(model_name="tident", inputs=[], requested_output_names=["OUTPUT0"]).exec()
+            seen["missing_input"] = missing.error().message() if missing.has_error() else None
+            # the first call holds tslow's one instance; the second waits in its queue past its 1 ms
+            slow = [pb_utils.InferenceRequest(model_name="tslow", inputs=[x], requested_output_names=["TIMEOUT"],
+                                              timeout=t).async_exec() for t in (BIG_TIMEOUT_US, 1000)]
+            ran, expired = await asyncio.gather(*slow)
+            seen["ran_timeout"] = (None if ran.has_error()
+                                   else int(pb_utils.get_output_tensor_by_name(ran, "TIMEOUT").as_numpy()[0]))
+            seen["expired"] = expired.error().message() if expired.has_error() else None
+            readonly = pb_utils.Tensor("R", np.frombuffer(np.arange(3, dtype=np.float32).tobytes(), np.float32))
+            try:
+                seen["readonly_dlpack"] = pb_utils.Tensor.from_dlpack("R", readonly.to_dlpack()).as_numpy().tolist()
+            except Exception as exc:
+                seen["readonly_dlpack"] = repr(exc)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(seen).encode()],
+                                                                                          np.object_))]))
+        return responses
+'''
+CALLER_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [{ name: "X", data_type: TYPE_INT32, dims: [ 1 ] }]
+output [{ name: "OUT", data_type: TYPE_STRING, dims: [ 1 ] }]
+"""
+
+# Identity through DLPack, as Triton's dlpack_identity: OUTPUT0 shares INPUT0's memory.
+DLPACK_IDENTITY = '''
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor.from_dlpack(
+            "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").to_dlpack())]) for r in requests]
+'''
+IDENTITY_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [ -1, -1 ] }]
+output [{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1, -1 ] }]
+"""
+
+# Sleeps half a second, then answers the timeout it was given.
+SLOW = '''
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        time.sleep(0.5)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("TIMEOUT", np.array([r.timeout()], np.int64))])
+                for r in requests]
+'''
+SLOW_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [ -1, -1 ] }]
+output [{ name: "TIMEOUT", data_type: TYPE_INT64, dims: [ 1 ] }]
+"""
+
+
+def write(repo: Path, name: str, source: str, config: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "1" / "model.py").write_text(source)
+    (repo / name / "config.pbtxt").write_text(config)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    write(repo, "tcaller", CALLER, CALLER_CONFIG)
+    write(repo, "tident", DLPACK_IDENTITY, IDENTITY_CONFIG)
+    write(repo, "tslow", SLOW, SLOW_CONFIG)
+    running = RunningServer(repo)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def seen(server):
+    return json.loads(kserve.infer(server.channel, "tcaller", {"X": np.array([0], np.int32)})["OUT"][0])
+
+
+def test_inference_request_needs_a_model_name_inputs_and_requested_outputs(seen):
+    assert (seen["no_model_name"], seen["no_inputs"], seen["no_requested"]) == (True, True, True)
+
+
+def test_a_refused_call_reads_as_tritons_request_executor_words_it(seen):
+    assert seen["unknown"] == ("Model tnope - Error when running inference: "
+                               "Request for unknown model: 'tnope' is not found")
+    assert seen["missing_input"].startswith("Model tident - Error when running inference: "
+                                            "expected 1 inputs but got 0 inputs for model 'tident'")
+
+
+def test_a_call_timeout_expires_in_the_queue_and_reaches_the_called_model(seen):
+    assert seen["expired"] is not None and "Request timeout expired" in seen["expired"]
+    assert seen["ran_timeout"] == 11000000000  # Triton's test_timeout looks for this in the log
+
+
+def test_to_dlpack_of_a_read_only_tensor(seen):
+    assert seen["readonly_dlpack"] == [0.0, 1.0, 2.0]
+
+
+def test_to_dlpack_of_an_input_too_large_for_the_arena(server):
+    big = np.arange(5 * 1024 * 1024, dtype=np.float32).reshape(1, -1)  # 20 MiB: more than the server's half of it
+    out = kserve.infer(server.channel, "tident", {"INPUT0": big})["OUTPUT0"]
+    np.testing.assert_array_equal(out, big)
