@@ -63,7 +63,6 @@ class Host:
         self._current = 0  # the EXEC call running (or last run)
         self._iterative = False  # the config's sequence_batching.iterative_sequence: requests may be rescheduled
         self._instance = ""  # Triton's name of this instance (`<model>_0_0`), in the messages of failed executes
-        self._pid = os.getpid()  # a fork of this process (multiprocessing.Pool) shares the link but not its reader
 
     # ---- reading: the main thread while it is idle, the helper thread while model code runs
     def _take(self) -> tuple:
@@ -332,10 +331,6 @@ class Host:
 
     def call(self, request: pb.InferenceRequest, decoupled: bool) -> Future:
         """A BLS request: sent to the server, answered by CALLED frames (the reader thread resolves it)."""
-        if os.getpid() != self._pid:  # its answer would reach this process's reader, and its tensors our arena
-            raise pb.TritonModelException(
-                "BLS from a process forked from the model process (multiprocessing, os.fork) is not supported "
-                "by Ferry: make the call from the model process itself (threads or async_exec run calls at once)")
         ref, future = next(self._refs), Future()
         items = queue.Queue() if decoupled else None
         self._pending[ref] = (future, items)
