@@ -170,7 +170,7 @@ class TritonPythonModel:
             inputs = [pb_utils.Tensor("text_input", np.array([b"the ferry leaves"], np.object_)),
                       pb_utils.Tensor("stream", np.array([True], np.bool_)),
                       pb_utils.Tensor("sampling_parameters", np.array([sampling.encode()], np.object_))]
-            for response in pb_utils.InferenceRequest(model_name="tllm", inputs=inputs).exec(decoupled=True):
+            for response in pb_utils.InferenceRequest(model_name="tllm", inputs=inputs, requested_output_names=["text_output"]).exec(decoupled=True):
                 open(self.flag + ".streaming", "w").close()
                 if response.has_error():
                     self.count(response, request)

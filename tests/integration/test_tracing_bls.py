@@ -61,7 +61,7 @@ class TritonPythonModel:
             repeated = [answered(r) for r in pb_utils.InferenceRequest(
                 model_name="repeat_int32", inputs=repeat_inputs(), requested_output_names=["OUT"]).exec(decoupled=True)]
             pieces = [answered(r) for r in pb_utils.InferenceRequest(
-                model_name="tiny_llama", inputs=generation_inputs()).exec(decoupled=True)]
+                model_name="tiny_llama", inputs=generation_inputs(), requested_output_names=["text_output"]).exec(decoupled=True)]
             responses.append(pb_utils.InferenceResponse([
                 pb_utils.get_output_tensor_by_name(summed, "OUTPUT0"),
                 pb_utils.Tensor("REPEATS", np.array([len(repeated) - 1], np.int32)),
