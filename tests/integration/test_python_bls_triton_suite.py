@@ -13,13 +13,14 @@ backend to, on a machine without a GPU, with models written for this test:
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests import kserve
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, wait_for
 
 # Runs the checks of Triton's bls model that need no GPU; answers what it saw, as JSON.
 CALLER = '''
@@ -93,16 +94,22 @@ input [{ name: "INPUT0", data_type: TYPE_FP32, dims: [ -1, -1 ] }]
 output [{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1, -1 ] }]
 """
 
-# Sleeps half a second, then answers the timeout it was given.
+# Holds its one instance until the test opens the gate (once the queued call's deadline has fired), then
+# answers the timeout it was given. The bound only keeps a failed test's server from hanging.
 SLOW = '''
+import os
 import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+GATE = {gate!r}
+
 
 class TritonPythonModel:
     def execute(self, requests):
-        time.sleep(0.5)
+        bound = time.monotonic() + 120
+        while not os.path.exists(GATE) and time.monotonic() < bound:
+            time.sleep(0.005)
         return [pb_utils.InferenceResponse([pb_utils.Tensor("TIMEOUT", np.array([r.timeout()], np.int64))])
                 for r in requests]
 '''
@@ -125,8 +132,9 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     write(repo, "tcaller", CALLER, CALLER_CONFIG)
     write(repo, "tident", DLPACK_IDENTITY, IDENTITY_CONFIG)
-    write(repo, "tslow", SLOW, SLOW_CONFIG)
+    write(repo, "tslow", SLOW.format(gate=str(repo / "gate")), SLOW_CONFIG)
     running = RunningServer(repo)
+    running.gate = repo / "gate"
     try:
         yield running
     finally:
@@ -135,7 +143,12 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def seen(server):
-    return json.loads(kserve.infer(server.channel, "tcaller", {"X": np.array([0], np.int32)})["OUT"][0])
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(kserve.infer, server.channel, "tcaller", {"X": np.array([0], np.int32)})
+        # tslow's instance is held, so its second call can only leave the queue by its 1 ms deadline
+        wait_for(lambda: server.metric("ferry_deadline_misses", model="tslow") == 1, what="tslow's deadline miss")
+        server.gate.touch()
+        return json.loads(answer.result(timeout=120)["OUT"][0])
 
 
 def test_inference_request_needs_a_model_name_inputs_and_requested_outputs(seen):
