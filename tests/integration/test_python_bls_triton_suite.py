@@ -7,7 +7,8 @@ backend to, on a machine without a GPU, with models written for this test:
 - a call whose `timeout=` (microseconds) passes while it waits in the called model's queue fails with
   Triton's `Request timeout expired`, and the called model reads the timeout with `request.timeout()`;
 - `to_dlpack()` works on every tensor model code holds: an input too large for the model process's arena
-  (it travels in the frame) and a Tensor made from a read-only array.
+  (it travels in the frame) and a Tensor made from a read-only array;
+- the workers of a `multiprocessing.Pool` that execute forks make BLS calls of their own (test_multiprocess).
 """
 
 from __future__ import annotations
@@ -121,6 +122,37 @@ output [{ name: "TIMEOUT", data_type: TYPE_INT64, dims: [ 1 ] }]
 """
 
 
+# Execute forks a Pool whose workers each call tident (sync BLS), as Triton's test_multiprocess; half the
+# tensors are too large to ride in a frame (answered through the arena), and one worker logs. Answers,
+# for each worker's call, whether the answer equalled what was sent.
+FORKER = '''
+import json
+from multiprocessing import Pool
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call(i):
+    x = np.full((1, 4096 if i % 2 else 8), i, np.float32)
+    response = pb_utils.InferenceRequest(model_name="tident", inputs=[pb_utils.Tensor("INPUT0", x)],
+                                         requested_output_names=["OUTPUT0"]).exec()
+    if i == 0:
+        pb_utils.Logger.log_info("forked worker called tident")
+    if response.has_error():
+        return response.error().message()
+    return bool(np.array_equal(pb_utils.get_output_tensor_by_name(response, "OUTPUT0").as_numpy(), x))
+
+
+class TritonPythonModel:
+    def execute(self, requests):
+        with Pool(3) as pool:
+            seen = pool.map(call, range(8))
+        mine = call(9)  # the parent's own link still works after its children's calls
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(seen + [mine]).encode()],
+                                                                             np.object_))]) for _ in requests]
+'''
+
+
 def write(repo: Path, name: str, source: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(source)
@@ -132,6 +164,7 @@ def server(tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
     write(repo, "tcaller", CALLER, CALLER_CONFIG)
     write(repo, "tident", DLPACK_IDENTITY, IDENTITY_CONFIG)
+    write(repo, "tforker", FORKER, CALLER_CONFIG)
     write(repo, "tslow", SLOW.format(gate=str(repo / "gate")), SLOW_CONFIG)
     running = RunningServer(repo)
     running.gate = repo / "gate"
@@ -175,3 +208,10 @@ def test_to_dlpack_of_an_input_too_large_for_the_arena(server):
     big = np.arange(5 * 1024 * 1024, dtype=np.float32).reshape(1, -1)  # 20 MiB: more than the server's half of it
     out = kserve.infer(server.channel, "tident", {"INPUT0": big})["OUTPUT0"]
     np.testing.assert_array_equal(out, big)
+
+
+def test_bls_from_the_workers_of_a_pool_execute_forks(server):
+    for _ in range(2):  # a second execute forks a new pool: its relays are new too
+        seen = json.loads(kserve.infer(server.channel, "tforker", {"X": np.array([0], np.int32)})["OUT"][0])
+        assert seen == [True] * 9
+    assert "forked worker called tident" in server.output

@@ -25,7 +25,7 @@ import traceback
 from concurrent.futures import Future
 from pathlib import Path
 
-from server.backends.python import answers, faces
+from server.backends.python import answers, faces, forks
 from server.backends.python import pb_utils as pb
 from server.backends.python import protocol as p
 from server.ipc import tensors as ipc_tensors
@@ -63,6 +63,7 @@ class Host:
         self._current = 0  # the EXEC call running (or last run)
         self._iterative = False  # the config's sequence_batching.iterative_sequence: requests may be rescheduled
         self._instance = ""  # Triton's name of this instance (`<model>_0_0`), in the messages of failed executes
+        self.forks: forks.Forks | None = None  # set by main: relays for children model code forks
 
     # ---- reading: the main thread while it is idle, the helper thread while model code runs
     def _take(self) -> tuple:
@@ -140,6 +141,8 @@ class Host:
         self.link.send((p.CHECKED, ref, ready))
 
     def _called(self, ref: int, reply: tuple | None, final: bool) -> None:
+        if self.forks is not None and self.forks.called(ref, reply, final):
+            return  # a forked child's call: its relay passes the answer on
         future, items = self._pending.get(ref, (None, None))
         if future is None:
             return
@@ -369,6 +372,34 @@ class Host:
     def log(self, level: int, message: str) -> None:
         self.link.send((p.LOG, level, message))
 
+    # ---- forked children (forks.py)
+    def next_ref(self) -> int:
+        return next(self._refs)
+
+    def ask(self, frame: tuple) -> None:
+        """A forked child's call, sent under our ref; model code waits for it, so the reader reads at once."""
+        self._wanted.set()
+        self.link.send(frame)
+
+    def view(self, tensor: tuple):
+        return self._view(tensor)
+
+    def forked(self, link: FrameSocket) -> None:
+        """In a child forked by model code, before anything else runs there: its own link (to its parent's
+        relay), locks and tables of its own (the parent's threads may have held its locks at the fork), no
+        arena (tensors travel inline), and a thread that reads the answers to its calls."""
+        self.link, self.arena, self._blocks = link, None, None
+        self._blocks_lock, self._reading = threading.Lock(), threading.Lock()
+        self._pending, self._batches, self._streaming, self._cancelled = {}, {}, set(), set()
+        self._work, self._freed = queue.Queue(), collections.deque()
+        self._busy, self._wanted = threading.Event(), threading.Event()
+        threading.Thread(target=self._read_forked, name="ferry-forked-reader", daemon=True).start()
+
+    def _read_forked(self) -> None:
+        while (frame := self.link.recv()) is not None:
+            if frame[0] == p.CALLED:
+                self._called(*frame[1:])
+
     # ---- tensors
     def _put(self, name: str, array) -> tuple:
         """A Tensor record as it travels (a plain tuple)."""
@@ -471,6 +502,7 @@ def main(argv: list[str]) -> None:
     link = FrameSocket(socket.socket(fileno=fd))
     arena = Arena(Path(arena_path), arena_bytes, create=False) if arena_path else None
     host = Host(link, arena)
+    host.forks = forks.Forks(host)
     pb.install(host)
     sys.modules["triton_python_backend_utils"] = pb
     threading.Thread(target=host.help_read, name="ferry-model-reader", daemon=True).start()
