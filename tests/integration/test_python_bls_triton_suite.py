@@ -8,7 +8,9 @@ backend to, on a machine without a GPU, with models written for this test:
   Triton's `Request timeout expired`, and the called model reads the timeout with `request.timeout()`;
 - `to_dlpack()` works on every tensor model code holds: an input too large for the model process's arena
   (it travels in the frame) and a Tensor made from a read-only array;
-- the workers of a `multiprocessing.Pool` that execute forks make BLS calls of their own (test_multiprocess).
+- the workers of a `multiprocessing.Pool` that execute forks make BLS calls of their own (test_multiprocess);
+- BLS in initialize or finalize is refused with Triton's words (bls_init_error, bls_finalize_error): the
+  model fails to load, or its finalize's failure is in the log.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from protos import grpc_service_pb2 as pb
 from tests import kserve
 from tests.conftest import RunningServer, wait_for
 
@@ -153,6 +156,31 @@ class TritonPythonModel:
 '''
 
 
+# Calls tident from initialize or from finalize (PHASE), as Triton's bls_init_error and bls_finalize_error.
+OUT_OF_EXECUTE = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def call():
+    pb_utils.InferenceRequest(model_name="tident", inputs=[pb_utils.Tensor("INPUT0", np.ones((1, 2), np.float32))],
+                              requested_output_names=["OUTPUT0"]).exec()
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        if {phase!r} == "initialize":
+            call()
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([b"ran"], np.object_))]) for _ in requests]
+
+    def finalize(self):
+        if {phase!r} == "finalize":
+            call()
+'''
+
+
 def write(repo: Path, name: str, source: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(source)
@@ -215,3 +243,19 @@ def test_bls_from_the_workers_of_a_pool_execute_forks(server):
         seen = json.loads(kserve.infer(server.channel, "tforker", {"X": np.array([0], np.int32)})["OUT"][0])
         assert seen == [True] * 9
     assert "forked worker called tident" in server.output
+
+
+def test_bls_in_initialize_or_finalize_is_refused_as_triton_refuses_it(tmp_path):
+    write(tmp_path, "tident", DLPACK_IDENTITY, IDENTITY_CONFIG)
+    for phase in ("initialize", "finalize"):
+        write(tmp_path, f"t{phase}", OUT_OF_EXECUTE.format(phase=phase), CALLER_CONFIG)
+    running = RunningServer(tmp_path)
+    try:
+        index = {m.name: m for m in kserve.stub(running.channel).RepositoryIndex(pb.RepositoryIndexRequest()).models}
+        assert index["tinitialize"].state == "UNAVAILABLE"
+        assert "BLS is only supported during the 'execute' function." in index["tinitialize"].reason
+        assert index["tfinalize"].state == "READY"
+        assert kserve.infer(running.channel, "tfinalize", {"X": np.array([0], np.int32)})["OUT"].tolist() == [b"ran"]
+    finally:
+        running.stop()
+    assert "finalize failed: BLS is only supported during the 'execute' function." in running.output

@@ -36,6 +36,7 @@ _END = object()
 _NUDGE = ("nudge",)  # from the helper: the main thread may read the socket itself again
 _WORK = {p.INIT, p.AUTO, p.EXEC, p.STREAM, p.FINALIZE}
 # Triton's words (its spelling too: model code and its QA suite look for them)
+BLS_OUTSIDE_EXECUTE = "BLS is only supported during the 'execute' function."
 RETURNED_FOR_RESCHEDULED = "Expected a None object in the execute function return list for reschduled request"
 
 
@@ -64,6 +65,7 @@ class Host:
         self._iterative = False  # the config's sequence_batching.iterative_sequence: requests may be rescheduled
         self._instance = ""  # Triton's name of this instance (`<model>_0_0`), in the messages of failed executes
         self.forks: forks.Forks | None = None  # set by main: relays for children model code forks
+        self._serving = False  # between a successful initialize and finalize: BLS is allowed (as Triton)
 
     # ---- reading: the main thread while it is idle, the helper thread while model code runs
     def _take(self) -> tuple:
@@ -198,6 +200,7 @@ class Host:
         except BaseException as exc:  # noqa: BLE001 - a model that cannot start says why, and the load fails
             self.link.send((p.FAILED, _message(exc)))
             return
+        self._serving = True
         self.link.send((p.READY, self.face.kind, self.face.checks_ready))
 
     def _auto(self, model_path: str, config_json: str) -> None:
@@ -308,6 +311,7 @@ class Host:
                                            "sequence_batching { iterative_sequence: true }"))
 
     def _finalize(self) -> None:
+        self._serving = False
         try:
             if self.face is not None:
                 self.face.finalize()
@@ -333,7 +337,11 @@ class Host:
         return call in self._cancelled
 
     def call(self, request: pb.InferenceRequest, decoupled: bool) -> Future:
-        """A BLS request: sent to the server, answered by CALLED frames (the reader thread resolves it)."""
+        """A BLS request: sent to the server, answered by CALLED frames (the reader thread resolves it).
+        Refused in initialize and finalize, as Triton's stub refuses it (the called models' state is not
+        the caller's to rely on then)."""
+        if not self._serving:
+            raise pb.TritonModelException(BLS_OUTSIDE_EXECUTE)
         ref, future = next(self._refs), Future()
         items = queue.Queue() if decoupled else None
         self._pending[ref] = (future, items)
