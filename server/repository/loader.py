@@ -69,11 +69,13 @@ def select_versions(policy: mc.ModelVersionPolicy, available: list[int]) -> list
 
 
 def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelConfig | None = None,
-               describe_only: bool = False, backend_directory: Path | None = None) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
+               describe_only: bool = False, backend_directory: Path | None = None,
+               calls=None) -> tuple[mc.ModelConfig, list[LoadedVersion]]:
     """Read the config (or take `config`, a load request's override) and load every selected version;
     raises ConfigError for model-wide problems. `describe_only`: complete and check each version's config
     and signature but build no instance (on-demand model control answers metadata before any load).
-    `backend_directory`: where Python-based backends live (`ferry serve --backend-directory`)."""
+    `backend_directory`: where Python-based backends live (`ferry serve --backend-directory`). `calls`: the
+    server's side of BLS, model control and metrics, bound to Python instances before they initialize."""
     if config is not None:
         base, source = copy.deepcopy(config), f"{model_dir.name} (the load request's 'config' parameter)"
     else:
@@ -101,7 +103,8 @@ def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelCon
         try:
             if number not in on_disk:
                 raise ConfigError(f"{source}: version_policy names version {number} but {model_dir.name}/{number}/ does not exist")
-            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size, describe_only, runtime)
+            _load_version(entry, base, backend_cls, on_disk[number], source, default_max_batch_size, describe_only, runtime,
+                          calls)
         except Exception as exc:  # noqa: BLE001 - a model that cannot load must not stop the others
             error = exc.message if isinstance(exc, FerryError) else f"{model_dir.name}/{number}: {type(exc).__name__}: {exc}"
             entry.error = without_paths(error, model_dir)
@@ -114,7 +117,7 @@ def load_model(model_dir: Path, default_max_batch_size: int, config: mc.ModelCon
 
 
 def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, source: str, default_mbs: int,
-                  describe_only: bool = False, runtime: Path | None = None) -> None:
+                  describe_only: bool = False, runtime: Path | None = None, calls=None) -> None:
     config = copy.deepcopy(base)
     model_path = runtime or _model_file(config, backend_cls, version_dir)
     backend_cls.complete_config(config, model_path, default_mbs)
@@ -136,6 +139,8 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
         backend = backend_cls(config, model_path, device)
         backend.instance, backend.instance_name, backend.version_dir = index, name, version_dir
         backend.instance_group = group  # its rate_limiter (scheduling/rate_limiter.py)
+        if calls is not None and hasattr(backend, "calls"):
+            backend.calls = calls
         entry.backends.append(backend)
         backend.load()
     if config.model_warmup:

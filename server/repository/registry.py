@@ -206,8 +206,10 @@ class Registry:
     async def _load_folder(self, model_dir: Path, config: mc.ModelConfig | None) -> str:
         name = model_dir.name
         try:
+            # Python models reach the server from initialize and warmup too (pb_utils.load_model, metrics)
+            calls = self.build_runner.model_calls() if hasattr(self.build_runner, "model_calls") else None
             _, loaded = await asyncio.to_thread(loader.load_model, model_dir, self.default_max_batch_size, config,
-                                                 False, self.backend_directory)
+                                                 False, self.backend_directory, calls=calls)
         except Exception as exc:  # noqa: BLE001 - one bad folder must not stop the others
             reason = loader.without_paths(getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}", model_dir)
             log.error("model '%s' is unavailable: %s", name, reason)

@@ -106,13 +106,17 @@ class RunnerFactory:
         self.rate_limiter.register(needs)
         return self.rate_limiter, needs
 
+    def model_calls(self) -> ModelCalls:
+        """What Python model processes reach the server through (BLS, model control, metrics); on the loop."""
+        return ModelCalls(asyncio.get_running_loop(), self.models, self.control, self.restarts, self.custom_metrics)
+
     def _bind_calls(self, entry: LoadedVersion) -> None:
-        """Python model processes reach the server (BLS, model control, metrics) through one ModelCalls."""
-        if not any(hasattr(b, "calls") for b in entry.backends):
+        """Instances the loader bound already (it does, before initialize) keep theirs."""
+        if not any(getattr(b, "calls", False) is None for b in entry.backends):
             return
-        calls = ModelCalls(asyncio.get_running_loop(), self.models, self.control, self.restarts, self.custom_metrics)
+        calls = self.model_calls()
         for backend in entry.backends:
-            if hasattr(backend, "calls"):
+            if getattr(backend, "calls", False) is None:
                 backend.calls = calls
 
     def _cache_for(self, name: str, config: mc.ModelConfig) -> ResponseCache | None:

@@ -9,6 +9,7 @@ backend to, on a machine without a GPU, with models written for this test:
 - `to_dlpack()` works on every tensor model code holds: an input too large for the model process's arena
   (it travels in the frame) and a Tensor made from a read-only array;
 - the workers of a `multiprocessing.Pool` that execute forks make BLS calls of their own (test_multiprocess);
+- model control from initialize works (bls_model_loading): a model loads another while it loads itself;
 - BLS in initialize or finalize is refused with Triton's words (bls_init_error, bls_finalize_error): the
   model fails to load, or its finalize's failure is in the log.
 """
@@ -181,6 +182,25 @@ class TritonPythonModel:
 '''
 
 
+# Loads tident from initialize, as Triton's bls_model_loading does, and answers the readiness it saw.
+LOADER = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        before = pb_utils.is_model_ready("tident")
+        pb_utils.load_model("tident")
+        self.seen = [before, pb_utils.is_model_ready("tident")]
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([json.dumps(self.seen).encode()],
+                                                                             np.object_))]) for _ in requests]
+'''
+
+
 def write(repo: Path, name: str, source: str, config: str) -> None:
     (repo / name / "1").mkdir(parents=True)
     (repo / name / "1" / "model.py").write_text(source)
@@ -259,3 +279,15 @@ def test_bls_in_initialize_or_finalize_is_refused_as_triton_refuses_it(tmp_path)
     finally:
         running.stop()
     assert "finalize failed: BLS is only supported during the 'execute' function." in running.output
+
+
+def test_model_control_from_initialize(tmp_path):
+    write(tmp_path, "tident", DLPACK_IDENTITY, IDENTITY_CONFIG)
+    write(tmp_path, "tloader", LOADER, CALLER_CONFIG)
+    running = RunningServer(tmp_path, "--model-control-mode", "explicit", "--load-model", "tloader")
+    try:
+        seen = json.loads(kserve.infer(running.channel, "tloader", {"X": np.array([0], np.int32)})["OUT"][0])
+        assert seen == [False, True]
+        assert kserve.stub(running.channel).ModelReady(pb.ModelReadyRequest(name="tident"), timeout=30).ready
+    finally:
+        running.stop()
