@@ -23,8 +23,8 @@ import torch
 
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend
-from server.backends.embedding_layout import (DEFAULT_MAX_BATCH_TEXTS, DEFAULT_MAX_BATCH_TOKENS, EMBEDDING, IDS, TEXT,
-                                              EmbeddingLayout)
+from server.backends.embedding_layout import (DEFAULT_MAX_BATCH_TEXTS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_NUM_BUCKETS,
+                                              EMBEDDING, IDS, TEXT, EmbeddingLayout)
 from server.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class EmbeddingBackend(Backend):
         if config.WhichOneof("scheduling_choice") is None and not config.HasField("binpack_batching"):
             config.dynamic_batching.SetInParent()
             config.binpack_batching.max_batch_cost = DEFAULT_MAX_BATCH_TOKENS
+            config.binpack_batching.num_buckets = DEFAULT_NUM_BUCKETS
         names = ([t.name for t in config.input], [t.name for t in config.output])
         if names != ([TEXT], [EMBEDDING]) or config.input[0].data_type != mc.TYPE_STRING:
             raise ConfigError(f"model '{config.name}': an embedding model takes input '{TEXT}' (TYPE_STRING, dims [1]) "

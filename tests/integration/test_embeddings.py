@@ -224,6 +224,19 @@ def test_models_lists_embedding_models(env):
     assert set(MODELS) <= listed
 
 
+def test_a_folder_without_config_gets_narrow_length_buckets_and_a_token_budget(env):
+    """The embedding backend's own batching: bin packing by token count with 16 learned buckets (padding is
+    what an encoder's time follows), while a config's own binpack_batching keeps the policy's defaults."""
+    stub = kserve.stub(env[1].channel)
+    bare = stub.ModelConfig(pb.ModelConfigRequest(name="mean_norm")).config
+    assert bare.HasField("binpack_batching") and bare.HasField("dynamic_batching")
+    assert bare.binpack_batching.num_buckets == 16
+    assert bare.binpack_batching.max_batch_cost == 16384
+    assert bare.max_batch_size == 64
+    own = stub.ModelConfig(pb.ModelConfigRequest(name="windowed")).config
+    assert own.binpack_batching.max_batch_cost == 2048 and own.binpack_batching.num_buckets == 0
+
+
 def test_mixed_length_concurrent_requests_are_batched_and_each_equals_itself_alone(env):
     _, server, client = env
     mixed = texts(32, seed=7, longest=50)
