@@ -141,6 +141,9 @@ class DecoupledRunner(RunnerBase):
             failure = "BACKEND" if isinstance(exc, FerryError) and not refused else failure_reason(exc)
             raise
         finally:
+            # `cancel` holds the request's _Waiting, which holds the request: a cycle, freed only by the cycle
+            # collector (rarely run, server/heap.py) with the request's tensors. Over now: nothing to cancel.
+            request.cancel = None
             self._give_bytes(request.nbytes)
             self._streams -= 1
             if live is not None:
@@ -364,13 +367,15 @@ class DecoupledRunner(RunnerBase):
             if entry.request.trace is not None:
                 entry.request.trace.mark(COMPUTE_START)
         remaining = len(batch)
+        # Counted now, so `executed` holds no _Waiting: each stream keeps `executed` and a _Waiting keeps its
+        # stream (`opened`), a cycle that would keep the requests and their tensors until a collection.
+        rows, requests = sum(e.request.batch_size for e in batch), len(batch)
 
         def executed() -> None:
             nonlocal remaining
             remaining -= 1
             if remaining == 0:
-                self.stats.record_batch(sum(e.request.batch_size for e in batch), len(batch), 0,
-                                        time.monotonic_ns() - now, 0)
+                self.stats.record_batch(rows, requests, 0, time.monotonic_ns() - now, 0)
                 self._free.append(instance)
                 self._dispatch()
 

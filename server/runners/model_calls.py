@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import weakref
 from concurrent.futures import Future
 from typing import Callable
 
@@ -69,10 +70,14 @@ class ModelCalls:
         `parent`: the calling request's trace, when it is traced. Cancelling the returned future (the
         callers of the request that made it left) cancels the call in the called model's runner (a queued
         request never runs, a generation stops) and answers it CANCELLED."""
-        held: list[InferRequest] = []  # the call's request, once made
+        held: list[InferRequest] = []  # the call's request while it runs (emptied once answered)
         running = asyncio.run_coroutine_threadsafe(self._call(call, inputs, answer, deadline_ns, parent, held), self.loop)
         running.add_done_callback(lambda done: done.cancelled() and answer(None, (p.CANCELLED, _CANCELLED), True))
-        running.cancel_request = lambda: self.loop.call_soon_threadsafe(_cancel_request, running, held)
+        # A weak reference: the future holding a function that holds the future would be a cycle, which only
+        # the cycle collector frees, and the server runs it rarely (server/heap.py): each call's request,
+        # with its input and output tensors, stayed alive that long (Triton's bls_memory: gigabytes).
+        ref = weakref.ref(running)
+        running.cancel_request = lambda: self.loop.call_soon_threadsafe(_cancel_request, ref, held)
         return running
 
     async def _call(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None,
@@ -83,6 +88,8 @@ class ModelCalls:
                 await self._call_leased(call, inputs, answer, deadline_ns, parent, held)
         except FerryError as exc:  # its model's load failed, did not fit the budget, or outlasted the deadline
             answer(None, (code_of(exc), exc.message), True)
+        finally:
+            held.clear()  # answered: whoever still holds the future holds no tensors
 
     async def _call_leased(self, call: p.Call, inputs: dict[str, np.ndarray], answer: Answer, deadline_ns: int | None,
                            parent, held: list) -> None:
@@ -181,7 +188,7 @@ def _refused_as_triton(model: str):
         raise refused from exc
 
 
-def _cancel_request(running: Future, held: list) -> None:
+def _cancel_request(ref: weakref.ref, held: list) -> None:
     """On the loop: the caller cancelled its decoupled call (the response iterator's cancel()). As in Triton,
     the called request is cancelled, not abandoned: the responses its model still sends reach the caller
     (a model that honours the cancellation ends with CANCELLED). Where the runner has no such
@@ -189,7 +196,7 @@ def _cancel_request(running: Future, held: list) -> None:
     cancel = held[0].cancel if held else None
     if cancel is not None:
         cancel()
-    else:
+    elif (running := ref()) is not None:
         running.cancel()
 
 
