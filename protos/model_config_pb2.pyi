@@ -684,7 +684,7 @@ class ModelConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., platform: _Optional[str] = ..., version_policy: _Optional[_Union[ModelVersionPolicy, _Mapping]] = ..., max_batch_size: _Optional[int] = ..., input: _Optional[_Iterable[_Union[ModelInput, _Mapping]]] = ..., output: _Optional[_Iterable[_Union[ModelOutput, _Mapping]]] = ..., instance_group: _Optional[_Iterable[_Union[ModelInstanceGroup, _Mapping]]] = ..., default_model_filename: _Optional[str] = ..., cc_model_filenames: _Optional[_Mapping[str, str]] = ..., metric_tags: _Optional[_Mapping[str, str]] = ..., dynamic_batching: _Optional[_Union[ModelDynamicBatching, _Mapping]] = ..., sequence_batching: _Optional[_Union[ModelSequenceBatching, _Mapping]] = ..., ensemble_scheduling: _Optional[_Union[ModelEnsembling, _Mapping]] = ..., optimization: _Optional[_Union[ModelOptimizationPolicy, _Mapping]] = ..., parameters: _Optional[_Mapping[str, ModelParameter]] = ..., model_warmup: _Optional[_Iterable[_Union[ModelWarmup, _Mapping]]] = ..., backend: _Optional[str] = ..., model_operations: _Optional[_Union[ModelOperations, _Mapping]] = ..., model_transaction_policy: _Optional[_Union[ModelTransactionPolicy, _Mapping]] = ..., batch_input: _Optional[_Iterable[_Union[BatchInput, _Mapping]]] = ..., batch_output: _Optional[_Iterable[_Union[BatchOutput, _Mapping]]] = ..., model_repository_agents: _Optional[_Union[ModelRepositoryAgents, _Mapping]] = ..., response_cache: _Optional[_Union[ModelResponseCache, _Mapping]] = ..., runtime: _Optional[str] = ..., model_metrics: _Optional[_Union[ModelMetrics, _Mapping]] = ..., generation: _Optional[_Union[ModelGeneration, _Mapping]] = ..., binpack_batching: _Optional[_Union[ModelBinPacking, _Mapping]] = ...) -> None: ...
 
 class ModelBinPacking(_message.Message):
-    __slots__ = ("cost_model", "bucket_boundaries", "num_buckets", "learning_window", "max_batch_cost", "stretch")
+    __slots__ = ("cost_model", "bucket_boundaries", "num_buckets", "learning_window", "max_batch_cost", "stretch", "min_batch_cost")
     class CostModel(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         LINEAR: _ClassVar[ModelBinPacking.CostModel]
@@ -697,13 +697,15 @@ class ModelBinPacking(_message.Message):
     LEARNING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCH_COST_FIELD_NUMBER: _ClassVar[int]
     STRETCH_FIELD_NUMBER: _ClassVar[int]
+    MIN_BATCH_COST_FIELD_NUMBER: _ClassVar[int]
     cost_model: ModelBinPacking.CostModel
     bucket_boundaries: _containers.RepeatedScalarFieldContainer[float]
     num_buckets: int
     learning_window: int
     max_batch_cost: float
     stretch: float
-    def __init__(self, cost_model: _Optional[_Union[ModelBinPacking.CostModel, str]] = ..., bucket_boundaries: _Optional[_Iterable[float]] = ..., num_buckets: _Optional[int] = ..., learning_window: _Optional[int] = ..., max_batch_cost: _Optional[float] = ..., stretch: _Optional[float] = ...) -> None: ...
+    min_batch_cost: float
+    def __init__(self, cost_model: _Optional[_Union[ModelBinPacking.CostModel, str]] = ..., bucket_boundaries: _Optional[_Iterable[float]] = ..., num_buckets: _Optional[int] = ..., learning_window: _Optional[int] = ..., max_batch_cost: _Optional[float] = ..., stretch: _Optional[float] = ..., min_batch_cost: _Optional[float] = ...) -> None: ...
 
 class ModelGeneration(_message.Message):
     __slots__ = ("block_size", "num_kv_blocks", "kv_cache_memory_mb", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "dtype", "max_waiting", "default_max_tokens", "gpu_memory_utilization", "enable_prefix_caching", "max_step_ms", "min_prefill_tokens", "speculative")

@@ -65,7 +65,7 @@ def binpack_settings(config: mc.ModelConfig) -> BinPackSettings:
     if any(b <= 0 for b in bounds) or any(hi <= lo for lo, hi in zip(bounds, bounds[1:])):
         raise field_error(config.name, "binpack_batching.bucket_boundaries",
                           f"must be positive and strictly ascending, got {list(bounds)}")
-    for name in ("max_batch_cost", "stretch"):
+    for name in ("max_batch_cost", "stretch", "min_batch_cost"):
         if getattr(bp, name) < 0:
             raise field_error(config.name, f"binpack_batching.{name}", f"must be >= 0, got {getattr(bp, name)}")
     return BinPackSettings(
@@ -75,6 +75,7 @@ def binpack_settings(config: mc.ModelConfig) -> BinPackSettings:
         learning_window=bp.learning_window or defaults.learning_window,
         max_batch_cost=bp.max_batch_cost,
         stretch=bp.stretch or defaults.stretch,
+        min_batch_cost=bp.min_batch_cost,
     )
 
 

@@ -1,7 +1,12 @@
 """Cost-aware batching: requests of similar cost share a batch, so padding and waiting stay bounded.
 
 NOTE (the invariant). A batch never mixes cost buckets, and its padded cost (rows x the largest row
-cost) stays within `max_batch_cost` unless a single request alone exceeds it. Everything else is the
+cost) stays within `max_batch_cost` unless a single request alone exceeds it. The one exception is asked for
+by `min_batch_cost`: a batch cut under that padded cost takes in the oldest requests of the buckets above
+(nearest bucket first, higher priority levels first, as a bucket's own batch fills) while its padded cost stays under it, because a forward
+has a fixed cost that a few short rows cannot carry (an encoder on a CPU runs 40 tokens at twice the cost a
+token of 300); padding a handful of short rows up to the next bucket's length is cheaper than a second
+forward. Everything else is the
 dynamic batcher's (this class extends it): admission, priority levels, queue policies, deadlines,
 windows and "cut only when an instance is free". Each request waits in the group (join key, bucket)
 it was admitted to; boundaries that move later do not move it, they only shift slowly and the budget
@@ -38,6 +43,7 @@ class BinPackSettings:
     learning_window: int = 1024  # learned boundaries: recent costs they are fitted to
     max_batch_cost: float = 0.0  # budget on rows x largest row cost; 0: none
     stretch: float = 4.0  # a request is due after waiting this many of its bucket's batch times
+    min_batch_cost: float = 0.0  # a batch cheaper than this takes in the next buckets' heads; 0: never
 
     def row_cost(self, length: int) -> float:
         length = max(length, 1)  # models without a variable length: every row costs the same
@@ -147,7 +153,34 @@ class BinPackBatcher(DynamicBatcher):
         return head.lane, due, head.sequence
 
     def _batch(self, group: Group, requests: list[InferRequest], batched: bool) -> Batch:
+        if batched and self.binpack.min_batch_cost:
+            requests = self._topped_up(group, requests)
         return Batch(requests, batched, bucket=group.key[1])
+
+    def _topped_up(self, group: Group, requests: list[InferRequest]) -> list[InferRequest]:
+        """The cut batch plus the heads of the buckets above while its padded cost stays under
+        `min_batch_cost` (and `max_batch_size`, `max_batch_cost`): see NOTE."""
+        floor, budget, limit = self.binpack.min_batch_cost, self.binpack.max_batch_cost, self.settings.max_batch_size
+        rows = sum(r.batch_size for r in requests)
+        top = max(self._cost(r) for r in requests)
+        if rows * top >= floor:
+            return requests
+        key, bucket = group.key
+        above = sorted((g for g in self.queue.groups() if g.key[0] == key and g.key[1] > bucket and len(g)),
+                       key=lambda g: g.key[1])
+        for other in above:
+            count = 0
+            for request in other:
+                grown, cost = rows + request.batch_size, max(top, self._cost(request))
+                if grown > limit or grown * cost > floor or (budget and grown * cost > budget):
+                    break
+                rows, top, count = grown, cost, count + 1
+            if count:
+                self._executing += count
+                requests = requests + self.queue.take(other, count)
+            if count < len(other):
+                break  # the next request up did not fit: those of higher buckets cost more still
+        return requests
 
     def _fill(self, group: Group) -> tuple[int, int, bool]:
         limit, budget = self.settings.max_batch_size, self.binpack.max_batch_cost

@@ -196,3 +196,38 @@ def test_bad_binpack_configs_are_refused():
     config.binpack_batching.SetInParent()
     with pytest.raises(ConfigError, match="needs max_batch_size > 0"):
         build_scheduler(config)
+
+
+def test_a_cheap_batch_takes_in_the_next_buckets_heads_up_to_min_batch_cost():
+    submitted = (4, 4, 20, 30, 100, 500)
+    plain, floored = binpack(boundaries=(16, 128)), binpack(boundaries=(16, 128), min_batch_cost=200)
+    for b in (plain, floored):
+        for n in submitted:
+            b.submit(req(n), 0)
+    assert list(map(lengths, drain(plain))) == [[4, 4], [20, 30, 100], [500]]
+    batches = drain(floored)
+    # 4 rows padded to 30 = 120 < 200; the 100 would make 5 x 100 = 500; a lone 100 cannot take the 500 either
+    assert list(map(lengths, batches)) == [[4, 4, 20, 30], [100], [500]]
+    assert [batch.bucket for batch in batches] == [0, 1, 2]
+    assert len(floored) == 0
+    assert floored._in_system == len(submitted)  # the window's count: dispatched and not completed yet
+    for batch in batches:
+        floored.complete(batch, None, 0)
+    assert floored._in_system == 0
+
+
+def test_min_batch_cost_keeps_max_batch_size_and_priority_levels():
+    b = binpack(max_batch=3, levels=2, boundaries=(16,), min_batch_cost=1000)
+    for n, priority in ((2, 1), (20, 2), (30, 1), (40, 1), (50, 1)):
+        b.submit(req(n, priority=priority), 0)
+    # the bucket above gives its level-1 requests first (the 20 waits at level 2); three rows at most
+    assert list(map(lengths, drain(b))) == [[2, 30, 40], [50, 20]]
+
+
+def test_min_batch_cost_is_read_from_the_config_and_checked():
+    config = mc.ModelConfig(name="m", max_batch_size=8)
+    config.binpack_batching.min_batch_cost = 256
+    assert build_scheduler(config).binpack.min_batch_cost == 256
+    config.binpack_batching.min_batch_cost = -1
+    with pytest.raises(ConfigError, match="min_batch_cost"):
+        build_scheduler(config)
