@@ -12,12 +12,17 @@ private 0700 folder, or a socketpair made at spawn), so unpickling is safe here.
 from __future__ import annotations
 
 import asyncio
+import collections
 import pickle
 import socket
 import struct
 import threading
 
 _LENGTH = struct.Struct("<I")
+# Up to this size a frame's length and its pickle are joined into one piece (one system call); a larger
+# frame (a tensor too large for the arena rides in it) goes out as two, so its pickle is never copied.
+_JOIN_BYTES = 1 << 16
+_IOV = 64  # pieces a blocked link's backlog writes with one sendmsg
 
 
 class FrameLink(asyncio.Protocol):
@@ -79,6 +84,13 @@ def pack(frame: tuple) -> bytes:
     return _LENGTH.pack(len(data)) + data
 
 
+def _pieces(frame: tuple) -> tuple[bytes, ...]:
+    """The frame as it goes out: its length and its pickle, joined only when small."""
+    data = pickle.dumps(frame, protocol=5)
+    head = _LENGTH.pack(len(data))
+    return (head + data,) if len(data) <= _JOIN_BYTES else (head, data)
+
+
 class FrameSocket:
     """A blocking end of a link, for threads: any thread may send (one lock), one thread receives.
 
@@ -93,7 +105,7 @@ class FrameSocket:
         self._buffer = bytearray()
         self._loop: asyncio.AbstractEventLoop | None = None  # set by attach
         self._loop_thread = 0
-        self._out = bytearray()  # what the loop could not write yet
+        self._out: collections.deque[memoryview] = collections.deque()  # what the loop could not write yet
         self._closed = False
         self._on_frame = self._on_lost = None
 
@@ -102,15 +114,16 @@ class FrameSocket:
         return self._loop is not None
 
     def send(self, frame: tuple) -> None:
-        data = pack(frame)
+        pieces = _pieces(frame)
         with self._lock:
             if self._loop is None:
-                self.sock.sendall(data)
+                for piece in pieces:
+                    self.sock.sendall(piece)
                 return
         if threading.get_ident() == self._loop_thread:
-            self._write(data)
+            self._write(pieces)
         else:
-            self._loop.call_soon_threadsafe(self._write, data)
+            self._loop.call_soon_threadsafe(self._write, pieces)
 
     def recv(self) -> tuple | None:
         """The next frame, or None once the other end has closed (EOF). Threads only, before `attach`."""
@@ -164,33 +177,42 @@ class FrameSocket:
         while not self._closed and (frame := self._next_frame()) is not None:
             self._on_frame(frame)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, pieces: tuple[bytes, ...]) -> None:
+        """What the socket does not take now waits as views of the pieces themselves: a frame that carries
+        a large tensor is never copied again on its way out."""
         if self._closed:
             return
         if self._out:
-            self._out += data
+            self._out.extend(map(memoryview, pieces))
             return
-        try:
-            sent = self.sock.send(data)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            self._lose()
-            return
-        if sent < len(data):
-            self._out += data[sent:]
-            self._loop.add_writer(self.sock.fileno(), self._writable)
+        for i, piece in enumerate(pieces):
+            try:
+                sent = self.sock.send(piece)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._lose()
+                return
+            if sent < len(piece):
+                self._out.append(memoryview(piece)[sent:])
+                self._out.extend(map(memoryview, pieces[i + 1 :]))
+                self._loop.add_writer(self.sock.fileno(), self._writable)
+                return
 
     def _writable(self) -> None:
+        out = self._out
         try:
-            sent = self.sock.send(self._out)
+            sent = self.sock.sendmsg([out[i] for i in range(min(len(out), _IOV))])
         except BlockingIOError:
             return
         except OSError:
             self._lose()
             return
-        del self._out[:sent]
-        if not self._out:
+        while sent and sent >= out[0].nbytes:
+            sent -= out.popleft().nbytes
+        if sent:
+            out[0] = out[0][sent:]
+        if not out:
             self._loop.remove_writer(self.sock.fileno())
 
     def _lose(self) -> None:

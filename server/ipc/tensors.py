@@ -10,6 +10,7 @@ and are parsed on arrival, which copies them anyway, so their block is handed ba
 
 from __future__ import annotations
 
+import pickle
 import weakref
 from typing import Callable, NamedTuple
 
@@ -34,7 +35,7 @@ class Tensor(NamedTuple):
     shape: tuple[int, ...]
     nbytes: int
     offset: int | None = None  # where in the arena, or None: inline
-    data: bytes | None = None
+    data: bytes | bytearray | pickle.PickleBuffer | None = None  # PickleBuffer: pickled as a bytearray
 
 
 def put(name: str, array: np.ndarray, arena: Arena | None, blocks: Allocator | None) -> Tensor:
@@ -48,13 +49,21 @@ def put(name: str, array: np.ndarray, arena: Arena | None, blocks: Allocator | N
         return Tensor(name, api, tuple(array.shape), nbytes, None, bytearray(_bytes_of(array)))
     offset = blocks.allocate(nbytes) if blocks is not None and nbytes else None
     if offset is None:
-        # a bytearray for the same reason: model code may hand an input to DLPack, which needs writable memory
-        return Tensor(name, api, tuple(array.shape), nbytes, None, raw if raw is not None else bytearray(_bytes_of(array)))
+        return Tensor(name, api, tuple(array.shape), nbytes, None, raw if raw is not None else _inline(array))
     if raw is not None:
         arena.view[offset : offset + nbytes] = raw
     else:
         np.ndarray(array.shape, array.dtype, buffer=arena.mapping, offset=offset)[...] = array
     return Tensor(name, api, tuple(array.shape), nbytes, offset)
+
+
+def _inline(array: np.ndarray) -> pickle.PickleBuffer | bytearray:
+    """A tensor that rides in its frame without a copy of its own: the frame's pickle reads the array's
+    memory (its one copy), and a writable buffer arrives as a bytearray, so the reader's array is
+    writable, as a block's is (model code may hand an input to DLPack, which needs writable memory). A
+    read-only array is copied into a bytearray for the same reason."""
+    data = _bytes_of(array)
+    return pickle.PickleBuffer(data) if data.flags.writeable else bytearray(data)
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:

@@ -468,10 +468,17 @@ class _Responses:
     """The responses of a decoupled BLS call, as they come. `cancel()` (Triton's response iterator's)
     cancels the call's request where it runs: a queued request never runs (the iterator ends with a
     CANCELLED error), a running model's is_cancelled() turns true, and what it still sends comes through
-    until its final response (a CANCELLED error where it honours the cancellation), as in Triton."""
+    until its final response (a CANCELLED error where it honours the cancellation), as in Triton.
+
+    As Triton's iterator, it keeps the responses it gave: once the last one has come, iterating it again
+    (`for` over it, after it was read to its end) gives them all again from the first; an iteration left
+    midway resumes where it stopped, and `next()` after the end raises StopIteration."""
 
     def __init__(self, items: queue.Queue, uncall):
         self._items, self._uncall, self._cancelled = items, uncall, False
+        self._given: list[pb.InferenceResponse] = []
+        self._index = 0  # into _given, once the last response has come
+        self._finished = False
 
     def cancel(self) -> None:
         if not self._cancelled:
@@ -479,13 +486,21 @@ class _Responses:
             self._uncall()
 
     def __iter__(self):
+        if self._finished and self._index >= len(self._given):
+            self._index = 0
         return self
 
     def __next__(self) -> pb.InferenceResponse:
-        item = self._items.get()
-        if item is _END:
-            raise StopIteration
-        return item
+        if not self._finished:
+            item = self._items.get()
+            if item is not _END:
+                self._given.append(item)
+                return item
+            self._finished, self._index = True, len(self._given)
+        if self._index < len(self._given):
+            self._index += 1
+            return self._given[self._index - 1]
+        raise StopIteration
 
 
 def _trace_ref(trace) -> tuple[int, int] | None:
