@@ -61,3 +61,38 @@ def reference(version_dir: Path, texts: list[str], batch_size: int = 32):
 
     model = SentenceTransformer(str(version_dir), device="cpu")
     return model.encode(texts, batch_size=batch_size, convert_to_numpy=True)
+
+
+def ship_onnx_export(version_dir: Path, weights_from: Path | None = None) -> Path:
+    """`onnx/model.onnx` in the folder, as optimum exports it for sentence-transformers' ONNX backend (inputs
+    input_ids, attention_mask and token_type_ids, output last_hidden_state), from this folder's encoder or,
+    to make a graph that disagrees with it, another folder's."""
+    import warnings
+
+    import torch
+    import transformers
+
+    model = transformers.AutoModel.from_pretrained(str(weights_from or version_dir)).eval()
+
+    class Traced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                              token_type_ids=token_type_ids).last_hidden_state
+
+    ids = torch.tensor([[2, 10, 11, 12, 3], [2, 13, 3, 0, 0]])
+    mask = (ids != 0).long()
+    target = version_dir / "onnx" / "model.onnx"
+    target.parent.mkdir(exist_ok=True)
+    dynamic = {0: "batch", 1: "sequence"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Traced(), (ids, mask, torch.zeros_like(ids)), str(target), opset_version=17, dynamo=False,
+                          input_names=["input_ids", "attention_mask", "token_type_ids"],
+                          output_names=["last_hidden_state"],
+                          dynamic_axes={n: dynamic for n in ("input_ids", "attention_mask", "token_type_ids",
+                                                             "last_hidden_state")})
+    return target

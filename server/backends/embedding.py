@@ -2,8 +2,9 @@
 
 A version folder as `SentenceTransformer.save` writes it: `modules.json` naming a Transformer module (a
 Hugging Face encoder, BERT, RoBERTa, XLM-R..., with its tokenizer), a Pooling module (`1_Pooling/config.json`:
-mean, CLS, max or last-token) and optionally Normalize. The encoder is transformers' own `AutoModel`; only the
-pooling is written here, in torch, over the batch padded to its own longest text.
+mean, CLS, max or last-token) and optionally Normalize. The encoder is transformers' own `AutoModel`, run in
+torch or, on a CPU, as the same graph in ONNX Runtime (encoders.py); only the pooling is written here, in torch,
+over the batch padded to its own longest text.
 
 Texts are tokenized on the event loop by the embedding runner (runners/embedding.py), which queues one request
 per text with its token count as its length, so the scheduler (bin packing by default) batches texts of similar
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 from protos import model_config_pb2 as mc
-from server.backends.base import Backend
+from server.backends.base import Backend, parameter
+from server.backends.encoders import load_encoder
 from server.backends.embedding_layout import (DEFAULT_MAX_BATCH_TEXTS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_NUM_BUCKETS,
                                               EMBEDDING, IDS, TEXT, EmbeddingLayout)
 from server.errors import ConfigError
@@ -75,17 +77,20 @@ class EmbeddingBackend(Backend):
         layout = EmbeddingLayout(self.model_path)
         self.layout = layout
         self.tokenizer = AutoTokenizer.from_pretrained(str(layout.encoder))
-        self.model = AutoModel.from_pretrained(str(layout.encoder)).to(str(self.device)).eval()
-        limits = [layout.max_seq_length, getattr(self.model.config, "max_position_embeddings", None)]
+        model = AutoModel.from_pretrained(str(layout.encoder)).to(str(self.device)).eval()
+        limits = [layout.max_seq_length, getattr(model.config, "max_position_embeddings", None)]
         if layout.max_seq_length is None and self.tokenizer.model_max_length < 10**9:
             limits.append(self.tokenizer.model_max_length)
         self.max_length = min(n for n in limits if n)
-        self.dimension = int(self.model.config.hidden_size)
+        self.dimension = int(model.config.hidden_size)
         self.pad_id = self.tokenizer.pad_token_id or 0
-        self.vocab_size = int(self.model.config.vocab_size)
-        log.info("model '%s': %s encoder, %s pooling%s, %d dims, max %d tokens, on %s", self.config.name,
-                 self.model.config.model_type, layout.pooling, " + normalize" if layout.normalize else "",
-                 self.dimension, self.max_length, self.device)
+        self.vocab_size = int(model.config.vocab_size)
+        self.encoder = load_encoder(model, layout.encoder, self.device, parameter(self.config, "encoder_runtime", "auto"),
+                                    threads=int(parameter(self.config, "intra_op_thread_count", "0")),
+                                    spin=parameter(self.config, "allow_spinning", "0"), name=self.config.name)
+        log.info("model '%s': %s encoder, %s pooling%s, %d dims, max %d tokens, on %s (%s)", self.config.name,
+                 model.config.model_type, layout.pooling, " + normalize" if layout.normalize else "",
+                 self.dimension, self.max_length, self.device, self.encoder.runtime)
 
     def tokenize(self, texts: list[str], max_length: int | None = None) -> list[list[int]]:
         """Token ids as the Transformer module makes them (special tokens added); untruncated unless
@@ -110,24 +115,26 @@ class EmbeddingBackend(Backend):
         ids = np.full((len(rows), longest), self.pad_id, np.int64)
         mask = np.arange(longest)[None, :] < lengths[:, None]
         ids[mask] = np.concatenate(rows)
-        device = str(self.device)
+        mask = mask.astype(np.int64)
+        hidden = self.encoder(ids, mask)
         with torch.inference_mode():
-            attention = torch.from_numpy(mask.astype(np.int64)).to(device)
-            hidden = self.model(input_ids=torch.from_numpy(ids).to(device), attention_mask=attention).last_hidden_state
+            device = hidden.device
+            attention = torch.from_numpy(mask).to(device)
             pooled = pool(hidden, attention, torch.from_numpy(lengths).to(device), self.layout.pooling)
             if self.layout.normalize:
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled.float().cpu().numpy()
 
     def unload(self) -> None:
-        self.model = None
+        self.encoder = None
         if self.device.kind == "cuda":
             torch.cuda.empty_cache()
 
     def describe(self) -> dict[str, str]:
         return {"device": str(self.device), "pooling": self.layout.pooling,
                 "normalize": str(self.layout.normalize).lower(), "max_model_len": str(self.max_length),
-                "dimension": str(self.dimension)}
+                "dimension": str(self.dimension), "encoder_runtime": self.encoder.runtime,
+                "encoder_graph": self.encoder.source}
 
 
 def pool(hidden: torch.Tensor, mask: torch.Tensor, lengths: torch.Tensor, mode: str) -> torch.Tensor:

@@ -32,11 +32,16 @@ ATOL = 1e-5
 MAX_SEQ = 64  # the models' max_seq_length (sentence_bert_config.json)
 DIM = 64
 # name -> (pooling, normalize, config): one folder with no config at all (recognised by its modules.json)
+TORCH = 'parameters { key: "encoder_runtime" value { string_value: "torch" } }\n'
+ORT = 'parameters { key: "encoder_runtime" value { string_value: "onnxruntime" } }\n'
 MODELS = {
     "mean_norm": ("mean", True, None),
-    "mean_raw": ("mean", False, 'backend: "embedding"\n'),
+    "mean_raw": ("mean", False, 'backend: "embedding"\n' + ORT),
     "cls_norm": ("cls", True, 'backend: "embedding"\nmax_batch_size: 8\n'),
-    "cls_raw": ("cls", False, 'backend: "embedding"\n'),
+    "cls_raw": ("cls", False, 'backend: "embedding"\n' + TORCH),
+    # folders that carry their own ONNX export (onnx/model.onnx): one of this encoder, one of another's weights
+    "shipped": ("mean", True, None),
+    "shipped_wrong": ("cls", True, None),
     # a long window: concurrent texts surely meet in the queue (a full batch or budget still leaves at once)
     "windowed": ("mean", True, 'backend: "embedding"\nmax_batch_size: 16\n'
                                "dynamic_batching { max_queue_delay_microseconds: 300000 }\n"
@@ -61,6 +66,8 @@ def env(tmp_path_factory):
                                          max_seq_length=MAX_SEQ)
         if config is not None:
             (repo / name / "config.pbtxt").write_text(config)
+    embedding_builders.ship_onnx_export(repo / "shipped" / "1")
+    embedding_builders.ship_onnx_export(repo / "shipped_wrong" / "1", weights_from=repo / "mean_norm" / "1")
     server = RunningServer(repo, timeout_s=300)  # five encoders load with transformers: slow on a busy machine
     client = openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="unused", max_retries=0)
     yield repo, server, client
@@ -235,6 +242,23 @@ def test_a_folder_without_config_gets_narrow_length_buckets_and_a_token_budget(e
     assert bare.max_batch_size == 64
     own = stub.ModelConfig(pb.ModelConfigRequest(name="windowed")).config
     assert own.binpack_batching.max_batch_cost == 2048 and own.binpack_batching.num_buckets == 0
+
+
+def test_encoder_runtime_onnx_on_a_cpu_unless_the_config_or_the_graph_says_otherwise(env):
+    """`auto` (the default) runs the encoder's exported graph in ONNX Runtime on a CPU, a shipped export as it
+    is; torch where the config asks, or where a shipped graph disagrees with transformers on the probe (the
+    float test above checks every one of these models against sentence-transformers)."""
+    stub = kserve.stub(env[1].channel)
+
+    def runtime(name):
+        params = stub.ModelConfig(pb.ModelConfigRequest(name=name)).config.parameters
+        return params["encoder_runtime"].string_value, params["encoder_graph"].string_value
+
+    assert runtime("mean_norm") == ("onnxruntime", "exported at load")
+    assert runtime("mean_raw") == ("onnxruntime", "exported at load")
+    assert runtime("cls_raw") == ("torch", "transformers")
+    assert runtime("shipped") == ("onnxruntime", "onnx/model.onnx")
+    assert runtime("shipped_wrong") == ("torch", "transformers")
 
 
 def test_mixed_length_concurrent_requests_are_batched_and_each_equals_itself_alone(env):
