@@ -7,7 +7,7 @@ import pytest
 
 from clients.tune import space
 from clients.tune.cli import parse_budget
-from clients.tune.search import Objective
+from clients.tune.search import Candidate, Objective, roomiest
 from protos import model_config_pb2 as mc
 
 
@@ -84,3 +84,22 @@ def test_objective_prefers_within_the_bound_then_throughput_beyond_the_noise():
     assert not objective.beats(failing, within, 0.05) and objective.beats(within, failing, 0.05)
     latency = Objective("latency")
     assert latency.beats({**within, "latency_p99_ms": 10.0}, within, 0.05)
+
+
+def test_the_pick_among_throughput_ties_is_the_one_with_most_room_under_the_bound():
+    objective = Objective("throughput", p99_ms=200)
+
+    def candidate(rps, p99, readings=3, bs=32):
+        row = {"throughput_rps": rps, "latency_p99_ms": p99, "errors": 0, "completed": 100}
+        return Candidate(space.Knobs(max_batch_size=bs), rows=[row] * readings)
+
+    best = candidate(492, 174)
+    tied_roomier = candidate(480, 161, bs=64)
+    tied_but_once = candidate(485, 120, readings=1, bs=16)  # fewer readings than the best: not trusted yet
+    slower = candidate(300, 90, bs=8)  # more room, but clearly less throughput
+    over = candidate(495, 230, bs=4)
+    pool = [best, tied_roomier, tied_but_once, slower, over]
+    assert roomiest(best, pool, objective, 0.1) is tied_roomier
+    assert roomiest(best, pool, objective, 0.01) is best  # with less noise 480 is no tie with 492
+    assert roomiest(over, pool, objective, 0.1) is over  # a best outside the bound is left to the excess ordering
+    assert roomiest(best, pool, Objective("latency", p99_ms=200), 0.1) is best
