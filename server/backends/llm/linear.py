@@ -32,12 +32,25 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
         """`lora`: the step's LoraStep, when some of its rows use an adapter."""
         if self.onednn:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [None], "")
+            rows = x.shape[0]
+            padded = padded_rows(rows)
+            rows_in = x if padded == rows else F.pad(x, (0, 0, 0, padded - rows))
+            out = torch.ops.mkldnn._linear_pointwise(rows_in, self.weight, self.bias, "none", [None], "")
+            if padded != rows:
+                out = out[:rows]
         else:
             out = F.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a is not None:
             out = lora.add(out, x, self.lora_a, self.lora_b)
         return out
+
+
+def padded_rows(rows: int) -> int:
+    """`rows` rounded up the ladder of matmul shapes oneDNN is given: exact to 16, then 16 steps an octave."""
+    if rows <= 16:
+        return rows
+    step = 1 << ((rows - 1).bit_length() - 5)
+    return -(-rows // step) * step
 
 
 def probe(device: torch.device, dtype: torch.dtype) -> bool:
