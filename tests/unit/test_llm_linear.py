@@ -13,15 +13,27 @@ from server.backends.llm.llama import joined
 @pytest.mark.skipif(not linear.probe(torch.device("cpu"), torch.float32),
                     reason="this torch build has no oneDNN fp32 linear (torch.backends.mkldnn unavailable), so "
                            "the engine keeps F.linear and there is no second path to compare")
-def test_onednn_path_agrees_with_f_linear_where_the_probe_keeps_it():
+@pytest.mark.parametrize("rows", [48, 37, 5, 1000])  # 37 and 1000 run padded (38, 1024), sliced back
+def test_onednn_path_agrees_with_f_linear_where_the_probe_keeps_it(rows):
     torch.manual_seed(0)
     layer = linear.Linear(64, 96, bias=True)
-    x = torch.randn(48, 64)
+    x = torch.randn(rows, 64)
     with torch.inference_mode():
         expected = layer(x)
         assert linear.use_onednn(layer) == 1 and layer.onednn
         got = layer(x)
+    assert got.shape == (rows, 96)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_rows_onednn_sees_come_from_a_bounded_ladder():
+    """Every token count up to 8,192 maps to one of about 160 shapes, none smaller than asked and at most
+    6.25% larger, exact where decode steps live (16 rows and under): the primitive cache stays bounded."""
+    padded = [linear.padded_rows(r) for r in range(1, 8193)]
+    assert all(p >= r and p <= r * 1.0625 for r, p in zip(range(1, 8193), padded))
+    assert padded[:16] == list(range(1, 17))
+    assert len(set(padded)) <= 170
+    assert all(linear.padded_rows(p) == p for p in set(padded))  # a rung maps to itself
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.bfloat16), ("cpu", torch.float64), ("meta", torch.float32)])
