@@ -5,7 +5,9 @@ Requests hold a lease on their model (`lease`) from the moment they arrive until
 a model with a lease is busy and never evicted. The first lease on a cold model starts its load;
 every other request for it waits on the same load, within its own deadline. Loads run one at a time,
 so each one's measured footprint (server/repository/footprint.py) is its own and each eviction
-decision sees the last one's result. A load is patient for a moment (`patience_s`) when the models it
+decision sees the last one's result; the hottest model waiting goes next (`LoadTurns`), so a hot model
+that had to leave is not stuck behind a queue of one-off tail loads (under bench/many_models.py's Zipf
+load the loader is busy most of the time). A load is patient for a moment (`patience_s`) when the models it
 should evict are still busy: it waits for a colder busy model to go idle rather than evict a hotter idle
 one, and for busy models to free the room rather than refuse the load.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 from collections import Counter
@@ -47,7 +50,7 @@ class OnDemand:
         self.counts = LoadCounts()
         self._users: Counter[str] = Counter()  # requests arrived and not yet answered, per model
         self._loads: dict[str, asyncio.Task] = {}  # the one load in progress per model
-        self._one_at_a_time = asyncio.Lock()
+        self._turns = LoadTurns()
         self._sizes: dict[str, Footprint] = {}  # each model's last measured footprint: its next load's estimate
         self._trims: set[asyncio.Task] = set()  # evictions after a load measured larger than expected
         self._released = asyncio.Event()  # set whenever a model's last request is answered
@@ -90,7 +93,7 @@ class OnDemand:
             self.counts.waiting[name] -= 1
 
     async def _bring_in(self, name: str) -> None:
-        async with self._one_at_a_time:
+        async with self._turns.turn(self.residency.heat(name)):
             if not self.registry.is_cold(name):
                 return  # loaded by the time this load's turn came
             need = self._expected(name)
@@ -141,7 +144,7 @@ class OnDemand:
         trim.add_done_callback(self._trims.discard)
 
     async def _trim_excess(self, name: str) -> None:
-        async with self._one_at_a_time:
+        async with self._turns.turn(float("inf")):  # before any further load: it plans on what this one took
             for victim in self.residency.excess(name, self.idle):
                 await self._evict(victim, OVER_BUDGET, f"model '{name}' measured {self.registry.footprint(name).shown()}, "
                                                        "more than expected: back under the budget")
@@ -167,6 +170,49 @@ class OnDemand:
     def in_use(self) -> str:
         return ", ".join(f"{place} {shown_size(self.residency.used(place))} of {shown_size(limit)}"
                          for place, limit in sorted(self.residency.budget.items())) or "no budget"
+
+
+class LoadTurns:
+    """One load (or trim) at a time. Of those waiting, the highest `heat` goes next, then the earliest;
+    but one passed over OVERTAKEN times goes before any later arrival, so a steady stream of hot loads
+    cannot starve a cold model's (its requests wait within their deadlines, never failed for being cold)."""
+
+    OVERTAKEN = 2
+
+    def __init__(self):
+        self._busy = False
+        self._waiting: list[list] = []  # [heat, arrival, future, times overtaken], in arrival order
+        self._arrivals = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, heat: float):
+        if self._busy:
+            future = asyncio.get_running_loop().create_future()
+            self._waiting.append([heat, next(self._arrivals), future, 0])
+            try:
+                await future  # resolved by the turn before: `_busy` stays set, handed over
+            except asyncio.CancelledError:
+                if future.done() and not future.cancelled():
+                    self._next()  # handed the turn just as it was cancelled: pass it on
+                raise
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._next()
+
+    def _next(self) -> None:
+        self._waiting = [w for w in self._waiting if not w[2].done()]  # cancelled waiters leave
+        if not self._waiting:
+            self._busy = False
+            return
+        due = [w for w in self._waiting if w[3] >= self.OVERTAKEN]
+        chosen = due[0] if due else max(self._waiting, key=lambda w: (w[0], -w[1]))
+        for waiter in self._waiting:
+            if waiter[1] < chosen[1]:
+                waiter[3] += 1
+        self._waiting.remove(chosen)
+        chosen[2].set_result(None)
 
 
 def _files_size(folder: Path) -> int:

@@ -2,17 +2,22 @@
 
 Pure bookkeeping, no loading: the registry asks `plan` before a load (which idle models to unload so
 the newcomer fits), then reports what the load really took (`admit`) and what it unloaded (`evict`).
-Order is least recently used first, counted LRU-2 style: by each model's second-to-last request (`touch`
-on every request), then its last. A model that got a single request lately (a one-off in the long tail)
-leaves before one that is requested again and again, even if the hot one's last request is a little older:
-with plain LRU, under a Zipf-shaped load a burst of distinct tail models pushed the hot ones out
-(bench/many_models.py). A config's `eviction_priority` parameter (higher stays longer) comes before
-recency, and `pinned: "true"` models never leave.
+Order is least requested first: each model's requests counted with a decay (`touch` on every
+request adds one, and the count halves every HALF_LIFE requests to the whole server), then its last
+request, so a model nobody asks for any more fades out and one that got a single request lately (a
+one-off in the long tail) leaves before one that is requested again and again. Recency alone was not
+enough: with plain LRU a burst of distinct tail models pushed the hot ones out, and ranked by the
+second-to-last request (LRU-2) the hot models were still evicted as often as the tail under a Zipf
+load, since two requests are a noisy estimate of a rate and the tail's steadier models look as hot as
+the tenth-hottest for a moment (bench/many_models.py: about 20 evictions each of models 3-9 in 20 s).
+A config's `eviction_priority` parameter (higher stays longer) comes before the count, and
+`pinned: "true"` models never leave.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -20,6 +25,9 @@ from typing import Callable
 from protos import model_config_pb2 as mc
 from server.errors import ResourceExhaustedError
 from server.repository.footprint import HOST, Footprint, parse_places, shown_size
+
+
+HALF_LIFE = 2_000  # requests to the server over which a model's request count halves
 
 
 def parse_budget(values: list[str]) -> dict[str, int]:
@@ -56,17 +64,23 @@ class Resident:
 class Residency:
     budget: dict[str, int]  # place -> bytes; a place not named has no bound
     resident: OrderedDict[str, Resident] = field(default_factory=OrderedDict)  # least recently used first
-    uses: dict[str, tuple[int, int]] = field(default_factory=dict)  # model -> (second-to-last, last) request tick
+    uses: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (decayed count at its last request, that tick)
     _ticks: itertools.count = field(default_factory=itertools.count)
+    _now: int = -1  # the tick of the latest request
 
     def used(self, place: str = HOST) -> int:
         return sum(r.footprint.bytes_by_place.get(place, 0) for r in self.resident.values())
 
     def touch(self, name: str) -> None:
         """A request for `name`: its history is kept whether it is resident or not (its next load will use it)."""
-        self.uses[name] = (self.uses.get(name, (-1, -1))[1], next(self._ticks))
+        self._now = tick = next(self._ticks)
+        self.uses[name] = (self._count(name, tick) + 1.0, tick)
         if name in self.resident:
             self.resident.move_to_end(name)
+
+    def heat(self, name: str) -> float:
+        """`name`'s decayed request count now (0 for a model never requested)."""
+        return self._count(name, self._now)
 
     def check_fits_alone(self, name: str, need: Footprint) -> None:
         """A model that would pass the budget with nothing else resident is refused, naming both sizes."""
@@ -125,10 +139,17 @@ class Residency:
     def evict(self, name: str) -> Resident | None:
         return self.resident.pop(name, None)
 
-    def _ranks(self) -> dict[str, tuple[int, ...]]:
+    def _count(self, name: str, now: int) -> float:
+        """`name`'s requests, each weighing half as much every HALF_LIFE requests since it came."""
+        count, last = self.uses.get(name, (0.0, now))
+        return count * math.exp2((last - now) / HALF_LIFE)
+
+    def _ranks(self) -> dict[str, tuple]:
         """Each resident's place in the eviction order (smallest leaves first): eviction priority, then the
-        second-to-last and last request, then residence order."""
-        return {n: (r.priority, *self.uses.get(n, (-1, -1)), i) for i, (n, r) in enumerate(self.resident.items())}
+        decayed request count, then the last request, then residence order."""
+        now = self._now
+        return {n: (r.priority, self._count(n, now), self.uses.get(n, (0.0, -1))[1], i)
+                for i, (n, r) in enumerate(self.resident.items())}
 
     def _used_without(self, place: str, leaving: set[str]) -> int:
         return sum(r.footprint.bytes_by_place.get(place, 0) for n, r in self.resident.items() if n not in leaving)

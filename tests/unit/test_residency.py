@@ -138,3 +138,63 @@ def test_a_busy_model_colder_than_the_victim_is_named():
     assert residency.colder_busy(victims, lambda n: n not in busy) == ["oneoff"]
     assert residency.plan("next", Footprint({"host": 10 * MiB}), lambda n: True) == ["oneoff"]
     assert residency.colder_busy(["oneoff"], lambda n: n not in {"hot1"}) == []  # a hotter busy one is no reason
+
+
+def test_a_steadily_requested_model_outranks_one_with_two_requests_just_now():
+    """Ranked by the second-to-last request (LRU-2), `tail` (two requests in a row, just now) would stay and
+    `hot` (ten, spread out) would go; the decayed count keeps the hot one."""
+    residency = Residency({"host": 20 * MiB})
+    for name in ("hot", "tail"):
+        residency.admit(name, Footprint({"host": 10 * MiB}), None)
+    for i in range(10):
+        residency.touch("hot")
+        residency.touch(f"other{i}")
+    residency.touch("tail")
+    residency.touch("tail")
+    assert residency.heat("hot") > residency.heat("tail") > 0
+    assert residency.plan("new", Footprint({"host": 10 * MiB}), lambda n: True) == ["tail"]
+
+
+def test_a_model_nobody_asks_for_any_more_fades_below_a_recent_one_off():
+    from server.repository.residency import HALF_LIFE
+
+    residency = Residency({"host": 20 * MiB})
+    for name in ("was_hot", "one_off"):
+        residency.admit(name, Footprint({"host": 10 * MiB}), None)
+    for _ in range(50):
+        residency.touch("was_hot")
+    for _ in range(8 * HALF_LIFE):  # other models' traffic: 8 half-lives, 50 requests weigh 50 / 256 now
+        residency.touch("elsewhere")
+    residency.touch("one_off")
+    assert residency.heat("was_hot") < 1 <= residency.heat("one_off")
+    assert residency.plan("new", Footprint({"host": 10 * MiB}), lambda n: True) == ["was_hot"]
+
+
+def test_load_turns_go_to_the_hottest_waiting_but_never_pass_one_over_more_than_twice():
+    import asyncio
+
+    from server.repository.on_demand import LoadTurns
+
+    async def scenario() -> list[str]:
+        turns, order, gate = LoadTurns(), [], asyncio.Event()
+
+        async def load(name: str, heat: float, hold: asyncio.Event | None = None) -> None:
+            async with turns.turn(heat):
+                order.append(name)
+                if hold is not None:
+                    await hold.wait()
+
+        first = asyncio.create_task(load("first", 0, gate))
+        await asyncio.sleep(0)
+        tasks = [asyncio.create_task(load(n, h)) for n, h in (("cold", 0.5), ("warm", 3), ("hot", 9), ("hot2", 9))]
+        for _ in range(3):
+            await asyncio.sleep(0)
+        tasks.append(asyncio.create_task(load("hot3", 9)))  # arrives later, hotter than cold
+        for _ in range(3):
+            await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, *tasks)
+        return order
+
+    # hot and hot2 pass cold and warm (twice each): both are then due, in arrival order, before hot3
+    assert asyncio.run(scenario()) == ["first", "hot", "hot2", "cold", "warm", "hot3"]
