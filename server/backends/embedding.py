@@ -25,6 +25,7 @@ import torch
 from protos import model_config_pb2 as mc
 from server.backends.base import Backend, parameter
 from server.backends.encoders import load_encoder
+from server.backends.onnx_runtime import session_options
 from server.backends.embedding_layout import (DEFAULT_MAX_BATCH_TEXTS, DEFAULT_MAX_BATCH_TOKENS, DEFAULT_NUM_BUCKETS,
                                               EMBEDDING, IDS, TEXT, EmbeddingLayout)
 from server.errors import ConfigError
@@ -86,8 +87,7 @@ class EmbeddingBackend(Backend):
         self.pad_id = self.tokenizer.pad_token_id or 0
         self.vocab_size = int(model.config.vocab_size)
         self.encoder = load_encoder(model, layout.encoder, self.device, parameter(self.config, "encoder_runtime", "auto"),
-                                    threads=int(parameter(self.config, "intra_op_thread_count", "0")),
-                                    spin=parameter(self.config, "allow_spinning", "0"), name=self.config.name)
+                                    session_options(self.config), name=self.config.name)
         log.info("model '%s': %s encoder, %s pooling%s, %d dims, max %d tokens, on %s (%s)", self.config.name,
                  model.config.model_type, layout.pooling, " + normalize" if layout.normalize else "",
                  self.dimension, self.max_length, self.device, self.encoder.runtime)

@@ -51,29 +51,28 @@ class TorchEncoder:
 class OnnxEncoder:
     runtime = "onnxruntime"
 
-    def __init__(self, graph: Path, threads: int, spin: str, source: str):
+    def __init__(self, graph: Path, options: ort.SessionOptions, source: str):
         self.source = source
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        # Spinning threads burn a core while idle, which the event loop and the clients need on a small machine.
-        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
         self.session = ort.InferenceSession(str(graph), options, providers=["CPUExecutionProvider"])
         self.inputs = [i.name for i in self.session.get_inputs()]
         unknown = set(self.inputs) - {"input_ids", "attention_mask", "token_type_ids"}
         if unknown:
             raise ConfigError(f"{graph}: an encoder graph takes input_ids, attention_mask and optionally "
                               f"token_type_ids; this one also wants {sorted(unknown)}")
+        self.segments = "token_type_ids" in self.inputs  # optimum's BERT exports take them; all zeros here
         outputs = [o.name for o in self.session.get_outputs()]
         self.output = "last_hidden_state" if "last_hidden_state" in outputs else outputs[0]
 
     def __call__(self, ids: np.ndarray, mask: np.ndarray) -> torch.Tensor:
-        feed = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
-        (hidden,) = self.session.run([self.output], {name: feed[name] for name in self.inputs})
+        feed = {"input_ids": ids, "attention_mask": mask}
+        if self.segments:
+            feed["token_type_ids"] = np.zeros_like(ids)
+        (hidden,) = self.session.run([self.output], feed)
         return torch.from_numpy(hidden)
 
 
-def load_encoder(model: torch.nn.Module, encoder_dir: Path, device: Device, runtime: str, threads: int,
-                 spin: str, name: str) -> TorchEncoder | OnnxEncoder:
+def load_encoder(model: torch.nn.Module, encoder_dir: Path, device: Device, runtime: str,
+                 options: ort.SessionOptions, name: str) -> TorchEncoder | OnnxEncoder:
     """The runtime the config asks for (`auto`: ONNX Runtime on a CPU where the graph checks out)."""
     if runtime not in RUNTIMES:
         raise ConfigError(f"model '{name}': parameter encoder_runtime must be one of {list(RUNTIMES)}, "
@@ -87,9 +86,9 @@ def load_encoder(model: torch.nn.Module, encoder_dir: Path, device: Device, runt
     shipped = encoder_dir / _SHIPPED_EXPORT
     try:
         if shipped.is_file():
-            onnx_encoder = OnnxEncoder(shipped, threads, spin, source=str(_SHIPPED_EXPORT))
+            onnx_encoder = OnnxEncoder(shipped, options, source=str(_SHIPPED_EXPORT))
         else:
-            onnx_encoder = _export(model, threads, spin)
+            onnx_encoder = _export(model, options)
         error = _probe_error(torch_encoder, onnx_encoder)
     except Exception as exc:  # noqa: BLE001 - the exporter's failures have no common type
         if runtime == "onnxruntime":
@@ -130,7 +129,7 @@ def _uneven_batch(config, lengths: tuple[int, ...], seed: int) -> tuple[np.ndarr
     return ids, mask
 
 
-def _export(model: torch.nn.Module, threads: int, spin: str) -> OnnxEncoder:
+def _export(model: torch.nn.Module, options: ort.SessionOptions) -> OnnxEncoder:
     ids, mask = _uneven_batch(model.config, (7, 3), seed=0)
     folder = Path(tempfile.mkdtemp(prefix="ferry-encoder-"))
     started = time.perf_counter()
@@ -144,7 +143,7 @@ def _export(model: torch.nn.Module, threads: int, spin: str) -> OnnxEncoder:
                               dynamic_axes={"input_ids": dynamic, "attention_mask": dynamic,
                                             "last_hidden_state": dynamic})
         # the session holds the weights from here on, so the file goes at once
-        encoder = OnnxEncoder(folder / "encoder.onnx", threads, spin, source="exported at load")
+        encoder = OnnxEncoder(folder / "encoder.onnx", options, source="exported at load")
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     log.debug("encoder exported to ONNX in %.1f s", time.perf_counter() - started)

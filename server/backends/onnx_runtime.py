@@ -59,6 +59,18 @@ def _tensor_info(value) -> tuple[datatypes.DataType, list[int]]:
     return datatypes.from_numpy(np_dtype), dims
 
 
+def session_options(config: mc.ModelConfig) -> ort.SessionOptions:
+    """The config's thread parameters, as every ONNX Runtime session Ferry makes reads them."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = int(parameter(config, "intra_op_thread_count", "0"))
+    options.inter_op_num_threads = int(parameter(config, "inter_op_thread_count", "0"))
+    # Spinning threads burn a core while idle and starve the gRPC side on small machines.
+    spin = parameter(config, "allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    return options
+
+
 class OnnxRuntimeBackend(Backend):
     name = "onnxruntime"
     default_filename = "model.onnx"
@@ -93,13 +105,7 @@ class OnnxRuntimeBackend(Backend):
                 target.add(name=value.name, data_type=mc.DataType.Value(dtype.config), dims=dims[skip:])
 
     def load(self) -> None:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = int(parameter(self.config, "intra_op_thread_count", "0"))
-        options.inter_op_num_threads = int(parameter(self.config, "inter_op_thread_count", "0"))
-        # Spinning threads burn a core while idle and starve the gRPC side on small machines.
-        spin = parameter(self.config, "allow_spinning", "0")
-        options.add_session_config_entry("session.intra_op.allow_spinning", spin)
-        options.add_session_config_entry("session.inter_op.allow_spinning", spin)
+        options = session_options(self.config)
         if self.device.kind == "cuda":
             providers = [(CUDA, {"device_id": self.device.index}), CPU]
         else:

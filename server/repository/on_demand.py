@@ -181,14 +181,14 @@ class LoadTurns:
 
     def __init__(self):
         self._busy = False
-        self._waiting: list[list] = []  # [heat, arrival, future, times overtaken], in arrival order
+        self._waiting: list[_Waiter] = []  # in arrival order
         self._arrivals = itertools.count()
 
     @contextlib.asynccontextmanager
     async def turn(self, heat: float):
         if self._busy:
             future = asyncio.get_running_loop().create_future()
-            self._waiting.append([heat, next(self._arrivals), future, 0])
+            self._waiting.append(_Waiter(heat, next(self._arrivals), future))
             try:
                 await future  # resolved by the turn before: `_busy` stays set, handed over
             except asyncio.CancelledError:
@@ -202,17 +202,25 @@ class LoadTurns:
             self._next()
 
     def _next(self) -> None:
-        self._waiting = [w for w in self._waiting if not w[2].done()]  # cancelled waiters leave
+        self._waiting = [w for w in self._waiting if not w.future.done()]  # cancelled waiters leave
         if not self._waiting:
             self._busy = False
             return
-        due = [w for w in self._waiting if w[3] >= self.OVERTAKEN]
-        chosen = due[0] if due else max(self._waiting, key=lambda w: (w[0], -w[1]))
+        due = [w for w in self._waiting if w.overtaken >= self.OVERTAKEN]
+        chosen = due[0] if due else max(self._waiting, key=lambda w: (w.heat, -w.arrival))
         for waiter in self._waiting:
-            if waiter[1] < chosen[1]:
-                waiter[3] += 1
+            if waiter.arrival < chosen.arrival:
+                waiter.overtaken += 1
         self._waiting.remove(chosen)
-        chosen[2].set_result(None)
+        chosen.future.set_result(None)
+
+
+@dataclass(slots=True)
+class _Waiter:
+    heat: float
+    arrival: int
+    future: asyncio.Future
+    overtaken: int = 0  # earlier arrivals passed over it
 
 
 def _files_size(folder: Path) -> int:

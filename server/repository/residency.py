@@ -16,7 +16,6 @@ A config's `eviction_priority` parameter (higher stays longer) comes before the 
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -65,16 +64,15 @@ class Residency:
     budget: dict[str, int]  # place -> bytes; a place not named has no bound
     resident: OrderedDict[str, Resident] = field(default_factory=OrderedDict)  # least recently used first
     uses: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (decayed count at its last request, that tick)
-    _ticks: itertools.count = field(default_factory=itertools.count)
-    _now: int = -1  # the tick of the latest request
+    _now: int = -1  # the latest request's tick (requests to the server, counted from 0)
 
     def used(self, place: str = HOST) -> int:
         return sum(r.footprint.bytes_by_place.get(place, 0) for r in self.resident.values())
 
     def touch(self, name: str) -> None:
         """A request for `name`: its history is kept whether it is resident or not (its next load will use it)."""
-        self._now = tick = next(self._ticks)
-        self.uses[name] = (self._count(name, tick) + 1.0, tick)
+        self._now += 1
+        self.uses[name] = (self._count(name, self._now) + 1.0, self._now)
         if name in self.resident:
             self.resident.move_to_end(name)
 

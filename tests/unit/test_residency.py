@@ -178,22 +178,24 @@ def test_load_turns_go_to_the_hottest_waiting_but_never_pass_one_over_more_than_
     async def scenario() -> list[str]:
         turns, order, gate = LoadTurns(), [], asyncio.Event()
 
-        async def load(name: str, heat: float, hold: asyncio.Event | None = None) -> None:
+        async def load(name: str, heat: float, asked: asyncio.Event, hold: asyncio.Event | None = None) -> None:
+            asked.set()  # from here to its first wait for the turn nothing yields: queued when the test resumes
             async with turns.turn(heat):
                 order.append(name)
                 if hold is not None:
                     await hold.wait()
 
-        first = asyncio.create_task(load("first", 0, gate))
-        await asyncio.sleep(0)
-        tasks = [asyncio.create_task(load(n, h)) for n, h in (("cold", 0.5), ("warm", 3), ("hot", 9), ("hot2", 9))]
-        for _ in range(3):
-            await asyncio.sleep(0)
-        tasks.append(asyncio.create_task(load("hot3", 9)))  # arrives later, hotter than cold
-        for _ in range(3):
-            await asyncio.sleep(0)
+        async def start(name: str, heat: float, hold: asyncio.Event | None = None) -> asyncio.Task:
+            asked = asyncio.Event()
+            task = asyncio.create_task(load(name, heat, asked, hold))
+            await asked.wait()
+            return task
+
+        tasks = [await start("first", 0, gate)]  # holds the turn until the gate opens
+        for name, heat in (("cold", 0.5), ("warm", 3), ("hot", 9), ("hot2", 9), ("hot3", 9)):
+            tasks.append(await start(name, heat))
         gate.set()
-        await asyncio.gather(first, *tasks)
+        await asyncio.wait_for(asyncio.gather(*tasks), 60)
         return order
 
     # hot and hot2 pass cold and warm (twice each): both are then due, in arrival order, before hot3
