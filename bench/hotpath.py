@@ -2,7 +2,7 @@
 
     python -m bench.hotpath [--requests 6000] [--rounds 5] [--concurrency 64] [--window-us 1000]
                             [--max-batch 128] [--baseline COMMIT] [--hop] [--hop-model] [--adaptive-ms 50] [--python]
-                            [--profile 20]
+                            [--profile 20] [--profile-out FILE]
                             [--no-record]
 
 On an overhead-bound model Ferry's throughput is set by the CPU its event loop spends per request, so
@@ -216,6 +216,8 @@ def profile(repo: Path, load: list[bytes], args: argparse.Namespace, out: Path) 
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=120)
+    if args.profile_out is not None:  # for pstats by hand: callers, callees
+        args.profile_out.write_bytes(stats_file.read_bytes())
     stats = pstats.Stats(str(stats_file))
     rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:args.profile]
     lines = [f"cProfile of Ferry's event loop, {args.requests} requests (own time per request, us; with callees; "
@@ -298,6 +300,7 @@ def main() -> None:
     parser.add_argument("--python", action="store_true", help="NVIDIA's add_sub as a Triton-API Python model instead of "
                         "the light MLP (not with --adaptive-ms)")
     parser.add_argument("--profile", type=int, default=0, help="then profile Ferry's loop and print this many functions")
+    parser.add_argument("--profile-out", type=Path, help="with --profile: also keep the cProfile stats in this file")
     parser.add_argument("--no-record", action="store_true", help="print only; do not append to RESULTS.md")
     args = parser.parse_args()
     if args.python and args.hop_model:

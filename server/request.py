@@ -60,6 +60,16 @@ class Batch:
     def size(self) -> int:
         return sum(r.batch_size for r in self.requests)
 
+    @property
+    def train(self) -> bool:
+        """Several requests of a model that does not batch, sent on together and each run by an execute of
+        its own (Backend.train_limit): one hop to the backend for all of them."""
+        return not self.batched and len(self.requests) > 1
+
+    @property
+    def executions(self) -> int:
+        return len(self.requests) if self.train else 1
+
 
 class Outputs(dict):
     """One response's outputs (name -> array) with the parameters the model set on it: Triton's response

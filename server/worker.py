@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from server.tensors.assembly import Assembler, assembler_for
-from server.backends.base import Backend
+from server.backends.base import NOT_RUN, Backend
 from server.errors import BackendError, FerryError
 from server.tensors.padding import PadCount
 from server.request import RESCHEDULED, Batch, with_parameters_of
@@ -34,6 +34,7 @@ class Worker:
         self.signature = signature
         self.name = name  # the instance's name (its thread's prefix), for traces
         self.assembler: Assembler = assembler_for(signature)  # plain or padded, fixed at load
+        self.train_limit = getattr(backend, "train_limit", _one)  # how many single requests one dispatch may carry
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
 
     def start(self, batch: Batch, then=None) -> asyncio.Future[BatchResult]:
@@ -109,14 +110,31 @@ class Worker:
         reshape, t1 = self.signature.reshape, time.monotonic_ns()
 
         def answered(answers: list) -> None:
+            if NOT_RUN in answers:  # a train's process died: the rest of it runs on the next, from the thread
+                self._thread.submit(self._run_rest, loop, done, batch, answers, t1, then)
+                return
             try:
                 result, error = self._answers(batch, answers, t1, time.monotonic_ns()), None
             except Exception as exc:  # noqa: BLE001 - reported through the batch's future
                 result, error = None, exc
             _hand_to_loop(loop, done, result, error, then)
 
-        self.backend.send_requests(batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs
-                                                    for r in batch.requests], answered)
+        send = self.backend.send_train if batch.train else self.backend.send_requests
+        send(batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs for r in batch.requests], answered)
+
+    def _run_rest(self, loop, done: asyncio.Future, batch: Batch, answers: list, t1: int, then) -> None:
+        """On the instance's thread: a train's requests that never began, each run alone (the backend starts
+        a new process first), so a crash fails only the request that was running."""
+        reshape = self.signature.reshape
+        try:
+            for i, request in enumerate(batch.requests):
+                if answers[i] is NOT_RUN:
+                    answers[i] = self.backend.execute_requests(
+                        [request], [reshape.inputs(request.inputs) if reshape else request.inputs])[0]
+            result, error = self._answers(batch, answers, t1, time.monotonic_ns()), None
+        except Exception as exc:  # noqa: BLE001 - reported through the batch's future
+            result, error = None, exc
+        _hand_to_loop(loop, done, result, error, then)
 
     def _send_joined(self, loop, done: asyncio.Future, batch: Batch, inputs: dict[str, np.ndarray], pad_count: PadCount,
                      input_ns: int, then=None) -> None:
@@ -146,8 +164,11 @@ class Worker:
         alone: an error or a malformed answer fails its own request, never the others."""
         reshape = self.signature.reshape
         t1 = time.monotonic_ns()
-        answers = self.backend.execute_requests(
-            batch.requests, [reshape.inputs(r.inputs) if reshape else r.inputs for r in batch.requests])
+        inputs = [reshape.inputs(r.inputs) if reshape else r.inputs for r in batch.requests]
+        if batch.train:  # each request its own execute, as the model expects
+            answers = [a for r, i in zip(batch.requests, inputs) for a in self.backend.execute_requests([r], [i])]
+        else:
+            answers = self.backend.execute_requests(batch.requests, inputs)
         result = self._answers(batch, answers, t1, time.monotonic_ns())
         result.input_ns = input_ns
         return result
@@ -190,6 +211,10 @@ class Worker:
             interrupt()
         self._thread.shutdown(wait=True)
         self.backend.unload()
+
+
+def _one() -> int:
+    return 1
 
 
 def _hand_to_loop(loop, done: asyncio.Future, result, error: Exception | None, then=None) -> None:

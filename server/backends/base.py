@@ -17,6 +17,7 @@ from protos import model_config_pb2 as mc
 
 
 STREAM_END = object()  # a decoupled backend's `open_streams` delivers it after a request's final response
+NOT_RUN = object()  # in a train's answers: the request never began (its process died running one before it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,12 @@ class Backend(ABC):
     def is_ready(self) -> bool:
         """The model's own readiness, asked on every ready check where `checks_ready` (e.g. Triton's is_ready)."""
         return True
+
+    def train_limit(self) -> int:
+        """How many queued single requests one dispatch may hand this backend as a train, each run alone
+        (`Batch.train`); 1: one at a time. Only a backend whose batches cost a fixed hop each (a model
+        process) gains from more."""
+        return 1
 
     def unload(self) -> None:
         """Release the model's memory."""

@@ -80,6 +80,7 @@ class ModelStats:
         self.failures: Counter[str] = Counter()  # by reason: REJECTED, BACKEND, CANCELED
         self.deadline_misses = self.pending = self.window_ns = 0
         self.batch_reruns = 0  # runs spent splitting failed batches (runners/isolation.py)
+        self.train_executions = 0  # executes that went to a model process several to a hop (Batch.train)
         self.queued_bytes = 0  # request data held by admitted, unanswered requests (its byte budget's view)
         self.batches: dict[int, BatchTimes] = {}
         self.padded_elements = self.computed_elements = 0  # positions along a variable length
@@ -93,25 +94,34 @@ class ModelStats:
                           for name in ("batch_size", "queue_us", "compute_us", "request_us")}
 
     def record_batch(self, rows: int, requests: int, input_ns: int, infer_ns: int, output_ns: int,
-                     padded: int = 0, computed: int = 0, bucket: int | None = None) -> None:
+                     padded: int = 0, computed: int = 0, bucket: int | None = None, executions: int = 1) -> None:
+        """One batch, or a train of `executions` executes of rows / executions rows each (its times the
+        train's: each execute is charged an equal share)."""
+        size = rows // executions
         with self._lock:
             self.padded_elements += padded
             self.computed_elements += computed
             if bucket is not None:
-                self.bucket_batches.setdefault(bucket, Counter())[rows] += 1
-            self.execution_count += 1
+                self.bucket_batches.setdefault(bucket, Counter())[size] += executions
+            self.execution_count += executions
+            if executions > 1:
+                self.train_executions += executions
             self.inference_count += rows
-            times = self.batches.setdefault(rows, BatchTimes())
-            times.compute_input.add(input_ns)
-            times.compute_infer.add(infer_ns)
-            times.compute_output.add(output_ns)
-            # Triton charges each request of a batch with the batch's compute times.
-            self.compute_input.add(input_ns * requests, requests)
-            self.compute_infer.add(infer_ns * requests, requests)
-            self.compute_output.add(output_ns * requests, requests)
+            times = self.batches.setdefault(size, BatchTimes())
+            times.compute_input.add(input_ns, executions)
+            times.compute_infer.add(infer_ns, executions)
+            times.compute_output.add(output_ns, executions)
+            # Triton charges each request of a batch with the batch's compute times (in a train: its execute's).
+            self.compute_input.add(input_ns * requests // executions, requests)
+            self.compute_infer.add(infer_ns * requests // executions, requests)
+            self.compute_output.add(output_ns * requests // executions, requests)
         if self._hist:
-            self._hist["batch_size"].observe(rows)
-            self._hist["compute_us"].observe((input_ns + infer_ns + output_ns) / 1000)
+            if executions == 1:
+                self._hist["batch_size"].observe(rows)
+                self._hist["compute_us"].observe((input_ns + infer_ns + output_ns) / 1000)
+            else:
+                observe_all(self._hist["batch_size"], [size] * executions)
+                observe_all(self._hist["compute_us"], [(input_ns + infer_ns + output_ns) / 1000 / executions] * executions)
 
     def record_queued(self, queue_ns: int) -> None:
         with self._lock:
@@ -196,7 +206,7 @@ class ModelStats:
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
                 "last_inference": self.last_inference_ms, "failures": dict(self.failures),
                 "deadline_misses": self.deadline_misses, "pending": self.pending, "window_ns": self.window_ns,
-                "batch_reruns": self.batch_reruns,
+                "batch_reruns": self.batch_reruns, "train_executions": self.train_executions,
                 "queued_bytes": self.queued_bytes,
                 "padded_elements": self.padded_elements, "computed_elements": self.computed_elements,
                 "bucket_batches": {b: dict(sizes) for b, sizes in sorted(self.bucket_batches.items())},
@@ -244,6 +254,8 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
      lambda s: s["deadline_misses"]),
     ("ferry_batch_reruns", "counter", "Backend runs spent splitting failed batches until the failing requests ran alone",
      lambda s: s["batch_reruns"]),
+    ("ferry_train_executions", "counter", "Executes of a model that does not batch sent to its model process several "
+     "to a hop (a train: each request still runs alone)", lambda s: s["train_executions"]),
     ("ferry_batch_window_ms", "gauge", "Batching window in force (adaptive or fixed)", lambda s: s["window_ns"] / 1e6),
     ("ferry_padding_elements", "counter", "Positions along a variable length that were padding (rows x padded length - true lengths)",
      lambda s: s["padded_elements"]),

@@ -204,7 +204,17 @@ class ModelRunner(RunnerBase):
             if batch is None:
                 self._unhold(worker)
                 break
+            if not batch.batched and (limit := worker.train_limit()) > 1:
+                batch = self._train(batch, limit, cut_at)
             self._dispatch(batch, now, worker)
+
+    def _train(self, first: Batch, limit: int, cut_at: int) -> Batch:
+        """More of the requests waiting now, in the scheduler's order, behind a model that does not batch:
+        the backend runs each alone, and the whole train costs one hop (Backend.train_limit)."""
+        requests = list(first.requests)
+        while len(requests) < limit and (batch := self.scheduler.next_batch(cut_at)) is not None:
+            requests += batch.requests
+        return Batch(requests, False) if len(requests) > 1 else first
 
     def _free_worker(self) -> Worker | None:
         """An idle instance whose resources it holds now (reserved while it waited, or free), else None after
@@ -320,7 +330,7 @@ class ModelRunner(RunnerBase):
                         outcome.failed[0][1].message if outcome.failed else "none failed alone")
         for part, result in outcome.answered:
             self.stats.record_batch(part.size, len(part.requests), result.input_ns, result.infer_ns, result.output_ns,
-                                    result.padding.padded, result.padding.computed, part.bucket)
+                                    result.padding.padded, result.padding.computed, part.bucket, part.executions)
             traced = [request for request in part.requests if request.trace is not None]
             if traced:
                 batch_ran(traced, self.name, part.size, len(part.requests), result.padding.padded, worker.name, result)

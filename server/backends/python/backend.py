@@ -27,7 +27,7 @@ from google.protobuf import json_format
 
 from protos import model_config_pb2 as mc
 from server.backends import nvidia
-from server.backends.base import STREAM_END, Backend, Device, parameter
+from server.backends.base import NOT_RUN, STREAM_END, Backend, Device, parameter
 from server.backends.python import priority
 from server.backends.python import protocol as p
 from server.backends.python.faces import defines_auto_complete
@@ -41,6 +41,11 @@ from server.request import RESCHEDULED, InferRequest, Outputs
 log = logging.getLogger(__name__)
 ARENA_BYTES = 32 << 20  # per instance; a tensor that does not fit travels inline in its frame
 READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not ready"
+# A train (several executes of a model that does not batch, sent in one frame) holds its first request's
+# answer until its last execute is done: so it only carries what the process runs in this long.
+TRAIN_NS = 1_000_000
+TRAIN_PARAMETER = "FERRY_TRAIN_US"
+MAX_TRAIN = 16
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
 # pb_utils.TritonError codes as Triton answers them (INTERNAL, and a code Triton does not know: INTERNAL)
 _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
@@ -60,6 +65,8 @@ class PythonBackend(Backend):
         self.calls = None  # the server's side of BLS, model control and metrics (server/runners/model_calls.py)
         self._restart_lock = threading.Lock()
         self._in_flight = 0  # calls sent and not answered: unloading with some kills rather than waits for finalize
+        self._train_budget = TRAIN_NS  # how long a train may run in the process (FERRY_TRAIN_US)
+        self._train_ns = 0  # that, where this model may have trains (train_limit); 0: none
 
     @property
     def per_request(self) -> bool:
@@ -104,6 +111,7 @@ class PythonBackend(Backend):
                      "(Tensor.is_cpu() is true; to_dlpack() shares them)", self.config.name)
         self.priority = priority.Priority(self.config.name, priority.parse(self.config.name,
                                                                            parameter(self.config, priority.PARAMETER)))
+        self._train_budget = self._train_budget_ns()
         self.process = self._start()
 
     def _start(self) -> ModelProcess:
@@ -121,7 +129,25 @@ class PythonBackend(Backend):
             process.stop(0)
             raise ConfigError(f"model '{self.config.name}' failed to initialize: {answer[1]}")
         self.face, self.checks_ready = answer[1], answer[2]
+        trains = (self.face == p.TRITON and self.config.max_batch_size == 0 and not self.config.HasField("sequence_batching")
+                  and not self.config.model_transaction_policy.decoupled)
+        self._train_ns = self._train_budget if trains else 0
         return process
+
+    def _train_budget_ns(self) -> int:
+        """FERRY_TRAIN_US (parameters): how long a train may keep its first request's answer waiting; 0 sends
+        every request alone."""
+        text = parameter(self.config, TRAIN_PARAMETER)
+        if text is None:
+            return TRAIN_NS
+        try:
+            us = int(text)
+        except ValueError:
+            us = -1
+        if us < 0:
+            raise ConfigError(f"model '{self.config.name}': parameter {TRAIN_PARAMETER} must be a whole number of "
+                              f"microseconds >= 0 (0: no trains), got {text!r}")
+        return us * 1000
 
     @property
     def _version_dir(self) -> Path:
@@ -203,6 +229,40 @@ class PythonBackend(Backend):
                 self.priority.answered()
 
         process.send(p.EXEC, sent, replied, _deadline(requests), requests)
+
+    def train_limit(self) -> int:
+        """How many queued requests of a model that does not batch (max_batch_size 0, Triton's face) may go
+        to its process in one frame, each run by its own execute as Triton runs them: as many as
+        its measured executes fill TRAIN_NS, at most MAX_TRAIN; 1 before the first is measured, for any
+        other model, and where the batch is not sent from the loop."""
+        process = self.process
+        if not self._train_ns or process is None:
+            return 1
+        took = process.execute_ns
+        return max(1, min(MAX_TRAIN, self._train_ns // took)) if took else 1
+
+    def send_train(self, requests: list[InferRequest], inputs: list[dict[str, np.ndarray]], answered) -> None:
+        """`send_requests` for a train: each request its own execute, all in one frame."""
+        process = self.process
+        sent = [self._request(process, r, i) for r, i in zip(requests, inputs)]
+        self._in_flight += 1
+
+        def replied(replies: list) -> None:
+            """A process that died in a train ran its executes in order: the first without an answer was
+            running (it fails, as a request alone would), the ones after it never began (NOT_RUN: the
+            worker runs them on the next process)."""
+            self._in_flight -= 1
+            answers, died = [], False
+            for reply in replies:
+                if isinstance(reply, ProcessDied):
+                    answers.append(NOT_RUN if died else ModelUnavailableError(str(reply)))
+                    died = True
+                else:
+                    answers.append(self._outputs(process, reply))
+            answered(answers)
+            self.priority.answered()
+
+        process.send_train(sent, replied, requests)
 
     def send_joined(self, inputs: dict[str, np.ndarray], answered) -> None:
         """`send_requests` for Ferry's `class Model`: the batch joined, one execute; `answered(outputs or

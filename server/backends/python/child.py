@@ -21,6 +21,7 @@ import queue
 import socket
 import sys
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from pathlib import Path
@@ -34,7 +35,7 @@ from server.ipc.frames import FrameSocket
 
 _END = object()
 _NUDGE = ("nudge",)  # from the helper: the main thread may read the socket itself again
-_WORK = {p.INIT, p.AUTO, p.EXEC, p.STREAM, p.FINALIZE}
+_WORK = {p.INIT, p.AUTO, p.EXEC, p.EXECS, p.STREAM, p.FINALIZE}
 # Triton's words (its spelling too: model code and its QA suite look for them)
 BLS_OUTSIDE_EXECUTE = "BLS is only supported during the 'execute' function."
 RETURNED_FOR_RESCHEDULED = "Expected a None object in the execute function return list for reschduled request"
@@ -62,6 +63,7 @@ class Host:
         self.loop = asyncio.new_event_loop()
         self.face: faces.Face | None = None
         self._current = 0  # the EXEC call running (or last run)
+        self._began = 0  # perf_counter_ns when the EXEC call running began (0: none runs): its DONE says how long it took
         self._iterative = False  # the config's sequence_batching.iterative_sequence: requests may be rescheduled
         self._instance = ""  # Triton's name of this instance (`<model>_0_0`), in the messages of failed executes
         self.forks: forks.Forks | None = None  # set by main: relays for children model code forks
@@ -177,6 +179,10 @@ class Host:
                 self._auto(*frame[1:])
             elif kind == p.EXEC:
                 self._exec(*frame[1:])
+            elif kind == p.EXECS:
+                self._free_ours(frame[2])
+                for call, requests in frame[1]:
+                    self._exec(call, requests, ())
             elif kind == p.STREAM:
                 self._stream(*frame[1:])
             elif kind == p.FINALIZE:
@@ -218,6 +224,7 @@ class Host:
         """A batch of a model that is not decoupled: each request is answered once, by the response
         execute returns for it or through its response sender (before or after execute returns, as
         Triton allows); the batch is done (DONE) once every request has its answer."""
+        self._began = time.perf_counter_ns()
         self._free_ours(freed)
         self._current = call
         built = [self._request(r, call, i) for i, r in enumerate(requests)]
@@ -230,6 +237,7 @@ class Host:
             batch.failed(p.Reply([], (p.INTERNAL, self._failure(exc))))
         del built
         self._answered(call)
+        self._began = 0
 
     def _answered(self, call: int) -> None:
         """The batch's DONE, once every request has its answer (from whichever thread gave the last)."""
@@ -240,7 +248,8 @@ class Host:
             return  # another thread sent it
         self._cancelled.discard(call)
         replies = [r if r.__class__ is str else tuple(r) for r in batch.replies]  # as they travel (protocol.py)
-        self.link.send((p.DONE, call, replies, self._take_freed()))  # blocks freed so far ride along
+        took = time.perf_counter_ns() - self._began if self._began and call == self._current else 0  # 0: by a sender, later
+        self.link.send((p.DONE, call, replies, self._take_freed(), took))  # blocks freed so far ride along
 
     def _failure(self, exc: BaseException) -> str:
         """What the callers of an execute that raised read: Triton's words around the exception's."""

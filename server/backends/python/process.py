@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -69,6 +70,7 @@ class ModelProcess:
         self._made: dict[int, _Made] = {}  # EXEC or STREAM call -> its callers and the BLS calls it made
         self._bls: dict[int, Future] = {}  # decoupled BLS calls running, by the model's ref (UNCALL cancels one)
         self._traces: dict[int, list] = {}  # EXEC or STREAM call with a traced request -> its requests' traces
+        self.took: collections.deque[int] = collections.deque(maxlen=8)  # what the last EXECs took the process
         self.proc: subprocess.Popen | None = None
         self.link: FrameSocket | None = None
         self.arena: Arena | None = None
@@ -191,6 +193,39 @@ class ModelProcess:
             reply.put(ProcessDied(self.death))
             return
         self._send((frame_kind, call, body, self._take_freed()))
+
+    @property
+    def execute_ns(self) -> int:
+        """What an EXEC takes the process: the median of the last few (one slow execute, a model waiting
+        on something, does not stop trains; a model slow every time does); 0 before any."""
+        took = sorted(self.took)
+        return took[len(took) // 2] if took else 0
+
+    def send_train(self, requests: list[tuple], replied: Callable, callers: list) -> None:
+        """Several executes of a model that does not batch, a request each, in one frame (EXECS): one write
+        and at most one wake-up of the process for all of them, where each request alone costs both. Each
+        is still a call of its own (its deadline, its caller leaving, its trace, its DONE);
+        `replied([answer | ProcessDied])`, in order, once every one is answered."""
+        if self.death is not None:
+            replied([ProcessDied(self.death)] * len(requests))
+            return
+        train = _Train(len(requests), replied)
+        execs, replies = [], []
+        for i, (request, caller) in enumerate(zip(requests, callers)):
+            call = next(self._ids)
+            if caller.deadline_ns is not None:
+                self._deadlines[call] = caller.deadline_ns
+            self.follow(call, [caller])
+            self._traced(call, [caller])
+            reply = self._waiting[call] = _Reply(call, self._waiting, functools.partial(train.put, i), self._deadlines,
+                                                 self._made, self._traces)
+            replies.append(reply)
+            execs.append((call, [request]))
+        if self.death is not None:  # it died meanwhile: the reader may have passed these entries
+            for reply in replies:
+                reply.put(ProcessDied(self.death))
+            return
+        self._send((p.EXECS, execs, self._take_freed()))
 
     def open_streams(self, requests: list[tuple], sinks: list, traces: list) -> None:
         """Decoupled requests run by one execute: `sink.put((Reply | marker | None, final))` for each of a
@@ -390,6 +425,8 @@ class ModelProcess:
         kind = frame[0]
         if kind == p.DONE and frame[3]:  # blocks of this side's half the child no longer reads
             self._free_ours(frame[3])
+        if kind == p.DONE and len(frame) > 4 and frame[4]:
+            self.took.append(frame[4])  # what the process spent on the call: a train is sized by it
         if kind in (p.DONE, p.RESPONSE):
             target = self._waiting.get(frame[1])
             if target is not None:
@@ -497,6 +534,24 @@ class _Made:
 
     def __init__(self, callers: int):
         self.callers, self.calls, self.cancelled = callers, set(), False
+
+
+class _Train:
+    """The answers of a train's executes, handed on together once the last has come."""
+
+    __slots__ = ("answers", "left", "replied", "lock")
+
+    def __init__(self, size: int, replied: Callable):
+        self.answers, self.left, self.replied = [None] * size, size, replied
+        self.lock = threading.Lock()  # answers come on the loop, a dead process's on a thread of its own
+
+    def put(self, index: int, answer) -> None:
+        with self.lock:
+            self.answers[index] = answer[0] if answer.__class__ is list else answer  # an EXEC's one reply
+            self.left -= 1
+            done = self.left == 0
+        if done:
+            self.replied(self.answers)
 
 
 class _Reply:

@@ -16,7 +16,10 @@ Server -> model process:
                                          FAILED(message)
   CHECK(ref)                             the model's is_ready(); answered CHECKED(ref, bool)
   AUTO(config_json)                      auto_complete_config only; answered AUTO(config_json) or FAILED(message)
-  EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply | RESCHEDULE], freed)
+  EXEC(call, [Request], freed)           run execute; answered DONE(call, [Reply | RESCHEDULE], freed, ns): ns
+                                         is how long the model process took over it, execute and frames
+  EXECS([(call, [Request])], freed)      a train: several executes of a model that does not batch, run one
+                                         after another, each answered by its own DONE as an EXEC is
   STREAM([call], [Request], freed)       decoupled requests run by one execute, a call each; each answered
                                          RESPONSE(call, Reply | None, final) 0..N times (None: the final
                                          flag alone) and, once execute returns,
@@ -51,7 +54,7 @@ INIT, AUTO, EXEC, STREAM, CANCEL, CALLED, FREE, FINALIZE = (
     "init", "auto", "exec", "stream", "cancel", "called", "free", "finalize")
 READY, FAILED, DONE, RESPONSE, CALL, CONTROL, METRIC, LOG = (
     "ready", "failed", "done", "response", "call", "control", "metric", "log")
-CHECK, CHECKED, HANDOVER, UNCALL = "check", "checked", "handover", "uncall"
+CHECK, CHECKED, HANDOVER, UNCALL, EXECS = "check", "checked", "handover", "uncall", "execs"
 RESCHEDULE = "reschedule"  # in place of a Reply: the model released the request to run it again later
 EXECUTED = "executed"  # in place of a Reply: a decoupled request's execute returned
 
