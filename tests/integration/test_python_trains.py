@@ -5,6 +5,7 @@ request that was running; the ones behind it run on the next process."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import grpc
@@ -15,7 +16,7 @@ from tests import kserve
 from tests.conftest import wait_for
 
 MODEL = '''
-import json, os, time
+import json, os
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
@@ -28,10 +29,10 @@ class TritonPythonModel:
         with open(os.path.join(self.folder, "sizes"), "a") as f:
             f.write(f"{len(requests)}\\n")
         x = pb_utils.get_input_tensor_by_name(requests[0], "X").as_numpy()
-        if x[0] == -1:  # the holder: says it entered, then waits for the gate the test opens
+        if x[0] == -1:  # the holder: says it entered, then blocks on the gate (a FIFO) until the test writes it
             open(os.path.join(self.folder, "entered"), "w").close()
-            while not os.path.exists(os.path.join(self.folder, "open")):
-                time.sleep(0.005)
+            with open(os.path.join(self.folder, "gate")) as gate:
+                gate.read()
         if x[0] == 13:
             raise pb_utils.TritonModelException("thirteen is refused")
         if x[0] == 66:
@@ -52,6 +53,7 @@ parameters: { key: "FERRY_TRAIN_US", value: { string_value: "%s" } }
 def serve(tmp_path: Path, start_server, train_us: str):
     folder = tmp_path / "gates"
     folder.mkdir()
+    os.mkfifo(folder / "gate")
     (tmp_path / "repo" / "m" / "1").mkdir(parents=True)
     (tmp_path / "repo" / "m" / "1" / "model.py").write_text(MODEL)
     (tmp_path / "repo" / "m" / "config.pbtxt").write_text(CONFIG % (folder, train_us))
@@ -72,7 +74,8 @@ def queue_behind_holder(server, folder: Path, values: list[float]) -> tuple:
     queued = [infer(server, x) for x in values]
     wait_for(lambda: server.metric("nv_inference_pending_request_count", model="m") == len(values),
              what=f"{len(values)} requests queued behind the holder")
-    (folder / "open").touch()
+    with open(folder / "gate", "w") as gate:  # the holder has it open for reading: this returns at once
+        gate.write("open")
     return holder, queued
 
 

@@ -184,11 +184,7 @@ class ModelProcess:
         if self.death is not None:
             replied(ProcessDied(self.death))
             return
-        if deadline_ns is not None:
-            self._deadlines[call] = deadline_ns
-        self.follow(call, callers)
-        self._traced(call, callers)
-        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines, self._made, self._traces)
+        reply = self._expect(call, replied, deadline_ns, callers)
         if self.death is not None:  # it died between the check and the entry: the reader may have passed it
             reply.put(ProcessDied(self.death))
             return
@@ -213,19 +209,22 @@ class ModelProcess:
         execs, replies = [], []
         for i, (request, caller) in enumerate(zip(requests, callers)):
             call = next(self._ids)
-            if caller.deadline_ns is not None:
-                self._deadlines[call] = caller.deadline_ns
-            self.follow(call, [caller])
-            self._traced(call, [caller])
-            reply = self._waiting[call] = _Reply(call, self._waiting, functools.partial(train.put, i), self._deadlines,
-                                                 self._made, self._traces)
-            replies.append(reply)
+            replies.append(self._expect(call, functools.partial(train.put, i), caller.deadline_ns, [caller]))
             execs.append((call, [request]))
         if self.death is not None:  # it died meanwhile: the reader may have passed these entries
             for reply in replies:
                 reply.put(ProcessDied(self.death))
             return
         self._send((p.EXECS, execs, self._take_freed()))
+
+    def _expect(self, call: int, replied: Callable, deadline_ns: int | None, callers: list) -> _Reply:
+        """An EXEC call's one answer, to `replied` on the reader thread, with its deadline, callers and traces."""
+        if deadline_ns is not None:
+            self._deadlines[call] = deadline_ns
+        self.follow(call, callers)
+        self._traced(call, callers)
+        reply = self._waiting[call] = _Reply(call, self._waiting, replied, self._deadlines, self._made, self._traces)
+        return reply
 
     def open_streams(self, requests: list[tuple], sinks: list, traces: list) -> None:
         """Decoupled requests run by one execute: `sink.put((Reply | marker | None, final))` for each of a
