@@ -80,6 +80,15 @@ class Backend(ABC):
         process) gains from more."""
         return 1
 
+    def train_hold_ns(self) -> int:
+        """How long a free instance may wait for a longer train while the event loop is the bottleneck
+        (server/scheduling/train_hold.py); 0: never. Fixed once loaded."""
+        return 0
+
+    def execute_ns(self) -> int:
+        """What one execute takes, as measured (0: not measured), where `train_limit` is sized by it."""
+        return 0
+
     def unload(self) -> None:
         """Release the model's memory."""
 

@@ -34,6 +34,7 @@ from server.runners.ordering import ResponseOrder
 from server.scheduling.base import Scheduler
 from server.scheduling.budget import ByteBudget
 from server.scheduling.rate_limiter import Need, RateLimiter
+from server.scheduling.train_hold import TrainHold
 from server.observability.tracing.batches import batch_ran
 from server.observability.tracing.record import QUEUE_START
 from server.worker import BatchResult, Worker
@@ -72,6 +73,8 @@ class ModelRunner(RunnerBase):
         self._timer_ns: int | None = None  # when that timer fires (None: no timer set)
         self._turn_due = False  # a turn is scheduled (call_soon) and has not run yet
         self._cut_off = False  # the drain grace ran out: dispatch nothing more
+        hold_ns = max(w.backend.train_hold_ns() for w in workers) if workers else 0
+        self._hold = TrainHold(hold_ns) if hold_ns else None  # free instances waiting for longer trains
 
     def _backends(self) -> list:
         return [w.backend for w in self.workers]
@@ -95,8 +98,9 @@ class ModelRunner(RunnerBase):
         request.future = asyncio.get_running_loop().create_future()
         if request.trace is not None:
             request.trace.mark(QUEUE_START)
+        now = time.monotonic_ns()
         try:
-            matters = self.scheduler.submit(request, time.monotonic_ns())
+            matters = self.scheduler.submit(request, now)
         except BaseException as exc:
             self._give_bytes(request.nbytes)
             if isinstance(exc, QueueFullError):
@@ -104,6 +108,8 @@ class ModelRunner(RunnerBase):
             raise
         if self._order is not None:
             self._order.admit(request)
+        if self._hold is not None:
+            self._hold.on_arrival(now)
         self._admitted.add(request)
         if (self._idle and matters is not False) or _sooner(request.deadline_ns, self._timer_ns):
             self._turn_soon()
@@ -161,6 +167,8 @@ class ModelRunner(RunnerBase):
         self._feed(now)
         self.stats.set_gauges(self.scheduler.gauges())
         wake_ns = self.scheduler.next_event_ns(now)
+        if self._hold is not None and self._hold.until_ns is not None and (wake_ns is None or self._hold.until_ns < wake_ns):
+            wake_ns = self._hold.until_ns
         if wake_ns != self._timer_ns:
             if self._timer is not None:
                 self._timer.cancel()
@@ -200,13 +208,24 @@ class ModelRunner(RunnerBase):
             worker = self._idle[-1] if self._limiter is None else self._free_worker()
             if worker is None:
                 break  # every idle instance waits for its resources; the limiter's grant brings a turn
+            limit = worker.train_limit()
+            if limit > 1 and self._hold is not None and self._waits_for_train(worker, limit, now):
+                self._unhold(worker)
+                break
             batch = self.scheduler.next_batch(cut_at)
             if batch is None:
                 self._unhold(worker)
                 break
-            if not batch.batched and (limit := worker.train_limit()) > 1:
+            if not batch.batched and limit > 1:
                 batch = self._train(batch, limit, cut_at)
             self._dispatch(batch, now, worker)
+
+    def _waits_for_train(self, worker: Worker, limit: int, now: int) -> bool:
+        """Whether the free instance waits a moment for a longer train (server/scheduling/train_hold.py);
+        never while draining."""
+        busy = self._loop_load.busy_ratio if self._loop_load is not None and self._accepting else None
+        return self._hold.holds(now, len(self.scheduler), limit, busy, worker.backend.execute_ns(),
+                                self.scheduler.next_event_ns(now))
 
     def _train(self, first: Batch, limit: int, cut_at: int) -> Batch:
         """More of the requests waiting now, in the scheduler's order, behind a model that does not batch:

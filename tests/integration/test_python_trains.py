@@ -128,3 +128,18 @@ def test_no_trains_where_the_config_turns_them_off(tmp_path, start_server):
     assert [kserve.outputs(call.result())["Y"].tolist() for call in queued] == [[80], [82], [84]]
     assert server.metric("ferry_train_executions", model="m") == 0
     assert executes_saw(folder) == [1] * (8 + 1 + len(values))
+
+
+def test_a_train_setting_that_is_not_whole_microseconds_is_refused_at_load(tmp_path, start_server):
+    """FERRY_TRAIN_US and FERRY_TRAIN_HOLD_US take whole microseconds >= 0; anything else fails the load
+    with the parameter named, rather than serving with a setting the user did not mean."""
+    for name, parameter, value in (("budget", "FERRY_TRAIN_US", "soon"), ("hold", "FERRY_TRAIN_HOLD_US", "-5")):
+        (tmp_path / "repo" / name / "1").mkdir(parents=True)
+        (tmp_path / "repo" / name / "1" / "model.py").write_text(MODEL)
+        config = CONFIG.replace("FERRY_TRAIN_US", parameter) % (tmp_path, value)
+        (tmp_path / "repo" / name / "config.pbtxt").write_text(config)
+    server = start_server(tmp_path / "repo")
+    index = {m.name: m for m in kserve.stub(server.channel).RepositoryIndex(kserve.pb.RepositoryIndexRequest()).models}
+    for name, parameter, value in (("budget", "FERRY_TRAIN_US", "soon"), ("hold", "FERRY_TRAIN_HOLD_US", "-5")):
+        assert index[name].state == "UNAVAILABLE"
+        assert parameter in index[name].reason and repr(value) in index[name].reason, index[name].reason

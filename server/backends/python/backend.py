@@ -46,6 +46,10 @@ READY_CHECK_S = 5.0  # as Triton: an is_ready() that takes longer answers "not r
 TRAIN_NS = 1_000_000
 TRAIN_PARAMETER = "FERRY_TRAIN_US"
 MAX_TRAIN = 16
+# While the event loop is the bottleneck, a free instance waits up to this long for a longer train
+# (server/scheduling/train_hold.py); FERRY_TRAIN_HOLD_US changes it, 0 turns it off.
+TRAIN_HOLD_NS = 3_000_000
+TRAIN_HOLD_PARAMETER = "FERRY_TRAIN_HOLD_US"
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
 # pb_utils.TritonError codes as Triton answers them (INTERNAL, and a code Triton does not know: INTERNAL)
 _ERRORS = {p.INVALID_ARG: InvalidInputError, p.NOT_FOUND: ModelNotFoundError, p.UNAVAILABLE: ModelUnavailableError,
@@ -67,6 +71,7 @@ class PythonBackend(Backend):
         self._in_flight = 0  # calls sent and not answered: unloading with some kills rather than waits for finalize
         self._train_budget = TRAIN_NS  # how long a train may run in the process (FERRY_TRAIN_US)
         self._train_ns = 0  # that, where this model may have trains (train_limit); 0: none
+        self._hold_ns = TRAIN_HOLD_NS  # how long a free instance may wait for a longer train (FERRY_TRAIN_HOLD_US)
 
     @property
     def per_request(self) -> bool:
@@ -111,7 +116,8 @@ class PythonBackend(Backend):
                      "(Tensor.is_cpu() is true; to_dlpack() shares them)", self.config.name)
         self.priority = priority.Priority(self.config.name, priority.parse(self.config.name,
                                                                            parameter(self.config, priority.PARAMETER)))
-        self._train_budget = self._train_budget_ns()
+        self._train_budget = self._microseconds(TRAIN_PARAMETER, TRAIN_NS, "0: no trains")
+        self._hold_ns = self._microseconds(TRAIN_HOLD_PARAMETER, TRAIN_HOLD_NS, "0: no waiting for longer trains")
         self.process = self._start()
 
     def _start(self) -> ModelProcess:
@@ -134,19 +140,19 @@ class PythonBackend(Backend):
         self._train_ns = self._train_budget if trains else 0
         return process
 
-    def _train_budget_ns(self) -> int:
-        """FERRY_TRAIN_US (parameters): how long a train may keep its first request's answer waiting; 0 sends
-        every request alone."""
-        text = parameter(self.config, TRAIN_PARAMETER)
+    def _microseconds(self, name: str, default_ns: int, zero: str) -> int:
+        """A parameter in whole microseconds >= 0 (FERRY_TRAIN_US, FERRY_TRAIN_HOLD_US), in ns; refused at load
+        when it is anything else."""
+        text = parameter(self.config, name)
         if text is None:
-            return TRAIN_NS
+            return default_ns
         try:
             us = int(text)
         except ValueError:
             us = -1
         if us < 0:
-            raise ConfigError(f"model '{self.config.name}': parameter {TRAIN_PARAMETER} must be a whole number of "
-                              f"microseconds >= 0 (0: no trains), got {text!r}")
+            raise ConfigError(f"model '{self.config.name}': parameter {name} must be a whole number of "
+                              f"microseconds >= 0 ({zero}), got {text!r}")
         return us * 1000
 
     @property
@@ -240,6 +246,13 @@ class PythonBackend(Backend):
             return 1
         took = process.execute_ns
         return max(1, min(MAX_TRAIN, self._train_ns // took)) if took else 1
+
+    def train_hold_ns(self) -> int:
+        return self._hold_ns if self._train_ns else 0
+
+    def execute_ns(self) -> int:
+        process = self.process
+        return process.execute_ns if process is not None else 0
 
     def send_train(self, requests: list[InferRequest], inputs: list[dict[str, np.ndarray]], answered) -> None:
         """`send_requests` for a train: each request its own execute, all in one frame."""
