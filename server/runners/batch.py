@@ -109,7 +109,7 @@ class ModelRunner(RunnerBase):
         if self._order is not None:
             self._order.admit(request)
         if self._hold is not None:
-            self._hold.on_arrival(now)
+            self._hold.on_arrival(now, len(self._admitted))
         self._admitted.add(request)
         if (self._idle and matters is not False) or _sooner(request.deadline_ns, self._timer_ns):
             self._turn_soon()

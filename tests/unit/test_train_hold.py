@@ -26,10 +26,10 @@ from tests.conftest import wait_for_async
 MS = 1_000_000
 
 
-def arrivals(hold: TrainHold, gap_ns: int, count: int = 5, start: int = 0) -> int:
-    now = start
+def arrivals(hold: TrainHold, gap_ns: int, count: int = 30, in_server: int = 8) -> int:
+    now = 0
     for _ in range(count):
-        hold.on_arrival(now)
+        hold.on_arrival(now, in_server)
         now += gap_ns
     return now
 
@@ -67,14 +67,16 @@ def test_no_hold_where_it_would_not_pay():
     assert quiet.holds(now, 2, 8, 0.95, 50_000, now + 4 * MS)  # ... one after it does not stop it
     rare = TrainHold(3 * MS)
     assert not rare.holds(arrivals(rare, 5 * MS), 1, 8, 0.95, 50_000, None)  # nobody else is coming soon
+    lone = TrainHold(3 * MS)
+    assert not lone.holds(arrivals(lone, MS, in_server=0), 1, 8, 0.95, 50_000, None)  # its next comes once answered
     first = TrainHold(3 * MS)
-    first.on_arrival(0)
+    first.on_arrival(0, 8)
     assert not first.holds(0, 1, 8, 0.95, 50_000, None)  # one arrival: no rate known yet
 
 
 class GatedTrains(Backend):
     """A backend that answers each request alone (as a Triton-face Python model does) and takes trains of
-    up to 4, with a hold long enough that only a full train or the test ends it; its executes wait at a
+    up to 10, with a hold long enough that only a full train or the test ends it; its executes wait at a
     gate the test opens."""
 
     name, default_filename = "gated-trains", ""
@@ -101,7 +103,7 @@ class GatedTrains(Backend):
         return [{"y": i["x"]} for i in inputs]
 
     def train_limit(self) -> int:
-        return 4
+        return 10
 
     def train_hold_ns(self) -> int:
         return self.HOLD_NS
@@ -116,13 +118,15 @@ def request(i: int, timeout_s: float | None = None) -> InferRequest:
                         deadline_ns=None if timeout_s is None else now + int(timeout_s * 1e9))
 
 
-def trains(busy: float, caplog, deadline_s: float | None = None) -> list[str]:
-    """r0 runs held at the gate while r1 and r2 queue; the gate opens and the instance frees; then r3 and
-    r4 arrive. The sizes of the batches the runner cut, in order."""
+def trains(busy: float, caplog, deadline_s: float | None = None, later: int = 3, hold_ns: int = 0) -> list[str]:
+    """r0 runs held at the gate while r1-r7 queue; the gate opens and the instance frees; then r8-r10
+    arrive (`later` of them). The sizes of the batches the runner cut, in order."""
     config = mc.ModelConfig(name="m", max_batch_size=0)
     config.input.add(name="x", data_type=mc.TYPE_FP32, dims=[1])
     config.output.add(name="y", data_type=mc.TYPE_FP32, dims=[1])
     backend = GatedTrains(config, None, Device("cpu"))
+    if hold_ns:
+        backend.HOLD_NS = hold_ns
 
     async def scenario():
         load = LoopLoad(asyncio.get_running_loop())
@@ -134,31 +138,37 @@ def trains(busy: float, caplog, deadline_s: float | None = None) -> list[str]:
         r.start()
         calls = [asyncio.create_task(r.infer(request(0)))]
         assert await asyncio.to_thread(backend.started.acquire, True, 30), "r0 never reached the backend"
-        calls += [asyncio.create_task(r.infer(request(i, deadline_s))) for i in (1, 2)]
-        await wait_for_async(lambda: len(scheduler) == 2, 30, "r1 and r2 queued")
+        calls += [asyncio.create_task(r.infer(request(i, deadline_s))) for i in range(1, 8)]
+        await wait_for_async(lambda: len(scheduler) == 7, 30, "r1-r7 queued")
         backend.gate.set()
         await calls[0]
-        calls += [asyncio.create_task(r.infer(request(i, deadline_s))) for i in (3, 4)]
+        calls += [asyncio.create_task(r.infer(request(i, deadline_s))) for i in range(8, 8 + later)]
         results = await asyncio.gather(*calls)
         await r.close(grace_s=10)
         return results
 
     with caplog.at_level(logging.DEBUG, logger="server.runners.batch"):
         results = asyncio.run(asyncio.wait_for(scenario(), 60))
-    assert [float(x["y"][0]) for x in results] == [0, 1, 2, 3, 4]
+    assert [float(x["y"][0]) for x in results] == list(range(8 + later))
     return [m.split("batch of ")[1].split(" rows")[0] for m in caplog.messages if "batch of" in m]
 
 
 def test_a_busy_loop_holds_the_free_instance_for_a_full_train(caplog):
-    assert trains(0.95, caplog) == ["1", "4"]  # r1 and r2 waited for r3 and r4
+    assert trains(0.95, caplog) == ["1", "10"]  # r1-r7 waited for r8-r10
 
 
 def test_a_loop_with_time_to_spare_sends_what_is_queued_at_once(caplog):
     sizes = trains(0.5, caplog)
-    assert sizes[:2] == ["1", "2"]  # r1 and r2 left as soon as the instance was free
-    assert sum(map(int, sizes)) == 5
+    assert sizes[:2] == ["1", "7"]  # r1-r7 left as soon as the instance was free
+    assert sum(map(int, sizes)) == 11
 
 
 def test_a_deadline_inside_the_hold_sends_at_once(caplog):
     sizes = trains(0.95, caplog, deadline_s=60)  # far off, but inside the 600 s hold
-    assert sizes[:2] == ["1", "2"]
+    assert sizes[:2] == ["1", "7"]
+
+
+def test_a_hold_that_no_train_fills_ends_on_its_timer(caplog):
+    """Nobody else comes: the runner's timer ends the hold and the seven leave together (a hold the
+    timer did not end would keep them for ever, and the test would time out)."""
+    assert trains(0.95, caplog, later=0, hold_ns=50 * MS) == ["1", "7"]
