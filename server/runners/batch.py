@@ -109,7 +109,7 @@ class ModelRunner(RunnerBase):
         if self._order is not None:
             self._order.admit(request)
         if self._hold is not None:
-            self._hold.on_arrival(now, len(self._admitted))
+            self._hold.on_arrival(now)
         self._admitted.add(request)
         if (self._idle and matters is not False) or _sooner(request.deadline_ns, self._timer_ns):
             self._turn_soon()
@@ -364,6 +364,8 @@ class ModelRunner(RunnerBase):
                         request.future.set_result(outputs)
                         totals.append(now - request.arrival_ns)
                 self.stats.record_successes(totals)  # one lock for the batch, not one per request
+                if self._hold is not None:
+                    self._hold.on_answered(totals)
             else:
                 self._answer_in_order(part, result)
         for request, error in outcome.failed:

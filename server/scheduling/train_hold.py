@@ -14,8 +14,11 @@ It only pays, and so it only holds, when
   0.85 from which the adaptive window counts the front end as the bottleneck. A server with cores to
   spare answers a lone request at once;
 - more requests are coming: the model's mean arrival gap is shorter than what is left of the hold, and
-  its requests come while others of its are in the server (on average at least one). A lone client's
-  next request comes only once this one is answered, however short its gap: it is never held;
+  its clients are several: by Little's law, its arrival rate times the time its requests spend in the
+  server (arrival to answer) is at least 2. A lone client's next request comes only once this one is
+  answered, however short its gap (that product is under 1 then): it is never held. Counting what is
+  queued would not tell them apart: with the loop the bottleneck, a crowd's requests wait in gRPC, not
+  in the model's queue;
 - the instance has time to spare: its executes, at the arrival rate, fill under half of its time, so
   idling it does not cost requests it could have run;
 - no queued request's deadline falls inside the hold.
@@ -28,8 +31,8 @@ from __future__ import annotations
 
 FRONTEND_BUSY = 0.85  # as the adaptive window's front-end rule (server/scheduling/adaptive.py)
 MAX_INSTANCE_LOAD = 0.5  # executes may fill at most this share of the instance's time
-_ALPHA = 0.1  # weight of the newest arrival in the means
-MIN_COMPANY = 1.0  # requests of the model already in the server when one arrives, on average
+_ALPHA = 0.1  # weight of the newest arrival (or answered batch) in the means
+MIN_CONCURRENCY = 2.0  # the model's requests in the server at once, on average (rate x time in server)
 
 
 class TrainHold:
@@ -37,17 +40,26 @@ class TrainHold:
         self.max_hold_ns = max_hold_ns
         self.gap_ns: float | None = None  # mean time between arrivals (None: fewer than two seen)
         self._last_arrival_ns: int | None = None
-        self.company = 0.0  # mean count of the model's requests in the server (queued or running) at an arrival
+        self.latency_ns: float | None = None  # mean time from a request's arrival to its answer
         self._since_ns: int | None = None  # when the free instance began to wait (None: it does not)
         self.until_ns: int | None = None  # when the hold in force ends (None: none)
 
-    def on_arrival(self, now_ns: int, in_server: int) -> None:
-        """A request arrived with `in_server` others of the model's queued or running."""
-        self.company += _ALPHA * (in_server - self.company)
+    def on_arrival(self, now_ns: int) -> None:
         last, self._last_arrival_ns = self._last_arrival_ns, now_ns
         if last is not None:
             gap = now_ns - last
             self.gap_ns = gap if self.gap_ns is None else self.gap_ns + _ALPHA * (gap - self.gap_ns)
+
+    def on_answered(self, totals_ns: list[int]) -> None:
+        """A batch's requests answered, each `total` after its arrival."""
+        if totals_ns:
+            mean = sum(totals_ns) / len(totals_ns)
+            self.latency_ns = mean if self.latency_ns is None else self.latency_ns + _ALPHA * (mean - self.latency_ns)
+
+    @property
+    def concurrency(self) -> float:
+        """The model's requests in the server at once, on average (0 until both means are known)."""
+        return self.latency_ns / self.gap_ns if self.gap_ns and self.latency_ns is not None else 0.0
 
     def holds(self, now_ns: int, queued: int, limit: int, busy: float | None, execute_ns: int,
               next_deadline_ns: int | None) -> bool:
@@ -57,7 +69,7 @@ class TrainHold:
         until = since + self.max_hold_ns
         gap = self.gap_ns
         if (0 < queued < limit and busy is not None and busy >= FRONTEND_BUSY and gap is not None
-                and gap < until - now_ns and self.company >= MIN_COMPANY and execute_ns < MAX_INSTANCE_LOAD * gap
+                and gap < until - now_ns and self.concurrency >= MIN_CONCURRENCY and execute_ns < MAX_INSTANCE_LOAD * gap
                 and (next_deadline_ns is None or next_deadline_ns > until)):
             self._since_ns, self.until_ns = since, until
             return True

@@ -26,10 +26,13 @@ from tests.conftest import wait_for_async
 MS = 1_000_000
 
 
-def arrivals(hold: TrainHold, gap_ns: int, count: int = 30, in_server: int = 8) -> int:
+def arrivals(hold: TrainHold, gap_ns: int, count: int = 30, in_server: float = 8) -> int:
+    """`count` arrivals `gap_ns` apart, each answered after `in_server` gaps (Little's law: that many of
+    the model's requests are in the server at once)."""
     now = 0
     for _ in range(count):
-        hold.on_arrival(now, in_server)
+        hold.on_arrival(now)
+        hold.on_answered([int(in_server * gap_ns)])
         now += gap_ns
     return now
 
@@ -68,9 +71,10 @@ def test_no_hold_where_it_would_not_pay():
     rare = TrainHold(3 * MS)
     assert not rare.holds(arrivals(rare, 5 * MS), 1, 8, 0.95, 50_000, None)  # nobody else is coming soon
     lone = TrainHold(3 * MS)
-    assert not lone.holds(arrivals(lone, MS, in_server=0), 1, 8, 0.95, 50_000, None)  # its next comes once answered
+    assert not lone.holds(arrivals(lone, MS, in_server=0.8), 1, 8, 0.95, 50_000, None)  # its next comes once answered
     first = TrainHold(3 * MS)
-    first.on_arrival(0, 8)
+    first.on_arrival(0)
+    first.on_answered([8 * MS])
     assert not first.holds(0, 1, 8, 0.95, 50_000, None)  # one arrival: no rate known yet
 
 
@@ -135,6 +139,9 @@ def trains(busy: float, caplog, deadline_s: float | None = None, later: int = 3,
         worker = Worker(backend, Signature.from_config(config), "gated")
         scheduler = DynamicBatcher(BatchingSettings(0, join=False), RequestQueue([QueuePolicy()]))
         r = ModelRunner("m", 1, scheduler, [worker], ModelStats("m", 1, None), loop_load=load)
+        # Many clients, whatever this machine's speed: their time in the server, pinned as the loop's load is
+        # (only the latest answers move it, by a tenth each).
+        r._hold.latency_ns = 10**15
         r.start()
         calls = [asyncio.create_task(r.infer(request(0)))]
         assert await asyncio.to_thread(backend.started.acquire, True, 30), "r0 never reached the backend"
