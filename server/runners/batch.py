@@ -108,10 +108,12 @@ class ModelRunner(RunnerBase):
             raise
         if self._order is not None:
             self._order.admit(request)
+        holding = False
         if self._hold is not None:
             self._hold.on_arrival(now)
+            holding = self._hold.waits_for(len(self.scheduler), request.deadline_ns)
         self._admitted.add(request)
-        if (self._idle and matters is not False) or _sooner(request.deadline_ns, self._timer_ns):
+        if not holding and ((self._idle and matters is not False) or _sooner(request.deadline_ns, self._timer_ns)):
             self._turn_soon()
         else:  # nothing to cut now and the timer set is still right: the timer or the next release cuts the batch
             self.stats.set_pending(len(self.scheduler))

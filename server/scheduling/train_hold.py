@@ -43,6 +43,7 @@ class TrainHold:
         self.latency_ns: float | None = None  # mean time from a request's arrival to its answer
         self._since_ns: int | None = None  # when the free instance began to wait (None: it does not)
         self.until_ns: int | None = None  # when the hold in force ends (None: none)
+        self.limit = 0  # the train the hold in force waits to fill
 
     def on_arrival(self, now_ns: int) -> None:
         last, self._last_arrival_ns = self._last_arrival_ns, now_ns
@@ -71,7 +72,13 @@ class TrainHold:
         if (0 < queued < limit and busy is not None and busy >= FRONTEND_BUSY and gap is not None
                 and gap < until - now_ns and self.concurrency >= MIN_CONCURRENCY and execute_ns < MAX_INSTANCE_LOAD * gap
                 and (next_deadline_ns is None or next_deadline_ns > until)):
-            self._since_ns, self.until_ns = since, until
+            self._since_ns, self.until_ns, self.limit = since, until, limit
             return True
         self._since_ns = self.until_ns = None
         return False
+
+    def waits_for(self, queued: int, deadline_ns: int | None) -> bool:
+        """Whether an arrival that leaves `queued` waiting (its deadline `deadline_ns`) changes nothing for
+        the hold in force: the train is not full yet, and the deadline is after the hold's end. The
+        runner then takes no turn for it: the hold's timer, or the arrival that fills the train, does."""
+        return self.until_ns is not None and queued < self.limit and (deadline_ns is None or deadline_ns > self.until_ns)
