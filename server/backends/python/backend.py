@@ -48,7 +48,7 @@ TRAIN_PARAMETER = "FERRY_TRAIN_US"
 MAX_TRAIN = 16
 # While the event loop is the bottleneck, a free instance waits up to this long for a longer train
 # (server/scheduling/train_hold.py); FERRY_TRAIN_HOLD_US changes it, 0 turns it off.
-TRAIN_HOLD_NS = 3_000_000
+TRAIN_HOLD_NS = 6_000_000
 TRAIN_HOLD_PARAMETER = "FERRY_TRAIN_HOLD_US"
 FINALIZE_S = 10.0  # how long an unloaded model's finalize() may take before its process is killed
 # pb_utils.TritonError codes as Triton answers them (INTERNAL, and a code Triton does not know: INTERNAL)
