@@ -81,6 +81,7 @@ class ModelStats:
         self.deadline_misses = self.pending = self.window_ns = 0
         self.batch_reruns = 0  # runs spent splitting failed batches (runners/isolation.py)
         self.train_executions = 0  # executes that went to a model process several to a hop (Batch.train)
+        self.trains = 0  # those hops: train_executions / trains is the mean train
         self.queued_bytes = 0  # request data held by admitted, unanswered requests (its byte budget's view)
         self.batches: dict[int, BatchTimes] = {}
         self.padded_elements = self.computed_elements = 0  # positions along a variable length
@@ -106,6 +107,7 @@ class ModelStats:
             self.execution_count += executions
             if executions > 1:
                 self.train_executions += executions
+                self.trains += 1
             self.inference_count += rows
             times = self.batches.setdefault(size, BatchTimes())
             times.compute_input.add(input_ns, executions)
@@ -206,7 +208,7 @@ class ModelStats:
                 "inference_count": self.inference_count, "execution_count": self.execution_count,
                 "last_inference": self.last_inference_ms, "failures": dict(self.failures),
                 "deadline_misses": self.deadline_misses, "pending": self.pending, "window_ns": self.window_ns,
-                "batch_reruns": self.batch_reruns, "train_executions": self.train_executions,
+                "batch_reruns": self.batch_reruns, "train_executions": self.train_executions, "trains": self.trains,
                 "queued_bytes": self.queued_bytes,
                 "padded_elements": self.padded_elements, "computed_elements": self.computed_elements,
                 "bucket_batches": {b: dict(sizes) for b, sizes in sorted(self.bucket_batches.items())},
@@ -256,6 +258,8 @@ _FAMILIES: list[tuple[str, str, str, Callable[[dict], float]]] = [
      lambda s: s["batch_reruns"]),
     ("ferry_train_executions", "counter", "Executes of a model that does not batch sent to its model process several "
      "to a hop (a train: each request still runs alone)", lambda s: s["train_executions"]),
+    ("ferry_trains", "counter", "Trains sent to a model process (ferry_train_executions / ferry_trains: the mean train)",
+     lambda s: s["trains"]),
     ("ferry_batch_window_ms", "gauge", "Batching window in force (adaptive or fixed)", lambda s: s["window_ns"] / 1e6),
     ("ferry_padding_elements", "counter", "Positions along a variable length that were padding (rows x padded length - true lengths)",
      lambda s: s["padded_elements"]),

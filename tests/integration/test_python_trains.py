@@ -96,6 +96,7 @@ def test_queued_requests_go_as_one_train_and_each_runs_and_fails_alone(tmp_path,
         else:
             assert kserve.outputs(call.result())["Y"].tolist() == [2 * x]
     assert server.metric("ferry_train_executions", model="m") == len(values)  # the six queued left together
+    assert server.metric("ferry_trains", model="m") == 1
     assert executes_saw(folder) == [1] * (8 + 1 + len(values))  # yet every execute got one request
     stats = kserve.stub(server.channel).ModelStatistics(kserve.pb.ModelStatisticsRequest(name="m")).model_stats[0]
     assert stats.execution_count == stats.inference_count == 8 + 1 + len(values)
@@ -126,7 +127,7 @@ def test_no_trains_where_the_config_turns_them_off(tmp_path, start_server):
     holder, queued = queue_behind_holder(server, folder, values)
     holder.result()
     assert [kserve.outputs(call.result())["Y"].tolist() for call in queued] == [[80], [82], [84]]
-    assert server.metric("ferry_train_executions", model="m") == 0
+    assert server.metric("ferry_train_executions", model="m") == server.metric("ferry_trains", model="m") == 0
     assert executes_saw(folder) == [1] * (8 + 1 + len(values))
 
 
