@@ -78,6 +78,13 @@ async def abort_for(exc: Exception, context, name: str) -> None:
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
     if isinstance(exc, errors.FerryError):
-        await context.abort(status_of(exc), capped(exc.message))
-    log.exception("unexpected error in %s", name, exc_info=exc)
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        code, details = status_of(exc), capped(exc.message)
+    else:
+        log.exception("unexpected error in %s", name, exc_info=exc)
+        code, details = grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    # gRPC keeps the AbortError it raises on the call's state, and that error's context is `exc`: with its
+    # traceback, every frame it passed (a generation stream's request, sequence, tensors) lives as long as
+    # gRPC holds the call, which after a client's deadline can be well past the call's end (a cancel storm
+    # left one deadline-expired stream alive a minute later, tests/integration/test_cancel_storm.py).
+    exc.__traceback__ = None
+    await context.abort(code, details)

@@ -15,12 +15,12 @@ from server.doors.model_control import ModelControl
 from server.doors.header_forward import HeaderForward
 from server.tensors.wire import ByteSizeError
 from server.observability.metrics import INFER_DURATIONS
-from server.names import capped, parse_version
+from server.names import parse_version
 from server.repository.registry import READY, ModelVersion, Registry
 from server.request import InferRequest, parameters_of
 from server.doors.grpc import codec
 from server.doors.grpc import shared_memory as shm_rpc
-from server.doors.grpc.errors import status_of, translate_errors
+from server.doors.grpc.errors import abort_for, translate_errors
 from server.doors.grpc.response_bytes import response_bytes
 from server.doors.grpc.stream_infer import stream_infer
 from server.runners.base import DECOUPLED, INFER
@@ -174,7 +174,7 @@ class InferenceServicer(shm_rpc.SharedMemoryRpcs, pb_grpc.GRPCInferenceServiceSe
                 async for response in responses:
                     yield response
         except FerryError as exc:  # only with `triton_grpc_error: true`: Triton ends such a stream at its first error
-            await context.abort(status_of(exc), capped(exc.message))
+            await abort_for(exc, context, "ModelStreamInfer")
 
     def _forwarded(self, context) -> dict[str, str] | None:
         """The request parameters --grpc-header-forward-pattern makes of the call's metadata (None: no pattern)."""
