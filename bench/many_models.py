@@ -140,8 +140,8 @@ def run_system(repo: Path, extra: list[str], sequence: list[int], rate: float, s
                 "load_seconds": metric_sum(metrics, "ferry_model_load_duration_seconds_total"),
                 "hot_evictions": sum(metric_sum(metrics, f'ferry_model_evictions_total\\{{model="m{i:02d}",reason="[a-z_]+"\\}}')
                                      for i in range(HOT)),
-                "largest_model": max((float(v) for v in re.findall(r'^ferry_model_memory_bytes\{[^}]*\} (\S+)$',
-                                     urllib.request.urlopen(metrics, timeout=10).read().decode(), re.M)), default=0.0)}
+                "sizes": [float(v) for v in re.findall(r'^ferry_model_memory_bytes\{[^}]*\} (\S+)$',
+                                                       urllib.request.urlopen(metrics, timeout=10).read().decode(), re.M)]}
         return summary(results, elapsed), info
     finally:
         proc.terminate()
@@ -160,8 +160,10 @@ def main() -> None:
     sequence = zipf_sequence(int(args.rate * args.seconds), args.models)
     with tempfile.TemporaryDirectory() as tmp:
         repo = repository(Path(tmp) / "repo", args.models)
-        _, alone = run_system(repo, ["--model-control-mode", "on_demand"], [0], 1, 1)  # one load, measured alone
-        budget = int(args.resident * alone["largest_model"])
+        # three loads one after another, each measured alone: the budget holds `--resident` of their median
+        _, alone = run_system(repo, ["--model-control-mode", "on_demand"], [0, 1, 2], 2, 1.5)
+        one_model = float(np.median(alone["sizes"]))
+        budget = int(args.resident * one_model)
         loaded, loaded_info = run_system(repo, [], sequence, args.rate, args.seconds)
         demand, demand_info = run_system(repo, ["--model-control-mode", "on_demand", "--model-memory-budget", str(budget)],
                                          sequence, args.rate, args.seconds)
@@ -174,8 +176,8 @@ def main() -> None:
     ratios = (f"on_demand / all loaded: requests/s {demand['rps'] / loaded['rps']:.2f}, hot p50 "
               f"{demand['hot_p50_ms'] / loaded['hot_p50_ms']:.2f}, hot p99 {demand['hot_p99_ms'] / loaded['hot_p99_ms']:.2f}")
     body = (f"{args.models} models (4 MiB weight each, footprint measured alone "
-            f"{alone['largest_model'] / 2**20:.1f} MiB; loaded all at once at start-up they measure up to "
-            f"{loaded_info['largest_model'] / 2**20:.1f} MiB, each load's figure holding some of the others'), budget for {args.resident}; open loop {args.rate:.0f} req/s "
+            f"{one_model / 2**20:.1f} MiB; loaded all at once at start-up they measure up to "
+            f"{max(loaded_info['sizes'], default=0) / 2**20:.1f} MiB, each load's figure holding some of the others'), budget for {args.resident}; open loop {args.rate:.0f} req/s "
             f"for {args.seconds:.0f} s, Zipf s=1.1 (same sequence for both).\n\n{common.table(rows, columns)}\n\n{ratios}\n\n"
             f"on_demand: {demand_info['loads']:.0f} loads ({1e3 * demand_info['load_seconds'] / max(demand_info['loads'], 1):.1f} ms "
             f"each on average, {demand_info['load_seconds']:.1f} s of loading in {demand_info['elapsed']:.0f} s), "

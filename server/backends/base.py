@@ -58,6 +58,12 @@ class Backend(ABC):
         """Fill what the config leaves out from the model file itself, where the format allows."""
 
     @classmethod
+    def prime(cls) -> None:
+        """Pay the runtime's one-off costs (its environment, thread pools, kernel tables) before the first
+        load is measured, so they land in the server's baseline and not in one model's footprint, where
+        the budget would charge them for as long as that model stays (server/repository/footprint.py)."""
+
+    @classmethod
     def cuda_devices(cls) -> int:
         """CUDA devices this backend can really use (0 where CUDA is absent or fails to start)."""
         return 0

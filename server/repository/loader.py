@@ -133,6 +133,7 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
         return
     placed = _placed(config, backend_cls)
     gpus = {device.index for device, _, _ in placed if device.kind == "cuda"}
+    backend_cls.prime()
     heap.trim()  # free pages the heap kept (the config's completion read the model file) would hide the load's own
     before = footprint.snapshot(gpus)
     for index, (device, group, name) in enumerate(placed):
@@ -146,7 +147,11 @@ def _load_version(entry: LoadedVersion, base, backend_cls, version_dir: Path, so
     if config.model_warmup:
         _check_warmable(config, backend_cls, source)
         warmup.run(config, entry.signature, entry.backends, version_dir.parent, source)
-    entry.footprint = declared or footprint.measured(before, footprint.snapshot(gpus))
+    if not declared:
+        heap.trim()  # what the load took only for a while (the model file read whole, the runtime's copies) is not held
+        entry.footprint = footprint.measured(before, footprint.snapshot(gpus))
+    else:
+        entry.footprint = declared
     for key, value in entry.backends[0].describe().items():
         config.parameters[key].string_value = value
 
