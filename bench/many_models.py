@@ -48,9 +48,21 @@ def repository(root: Path, count: int) -> Path:
     return root
 
 
-def zipf_sequence(count: int, models: int, seed: int = 0, s: float = 1.1) -> list[int]:
+def zipf_weights(models: int, s: float = 1.1) -> np.ndarray:
     weights = 1.0 / np.arange(1, models + 1) ** s
-    return np.random.default_rng(seed).choice(models, size=count, p=weights / weights.sum()).tolist()
+    return weights / weights.sum()
+
+
+def oracle_cold_share(models: int, resident: int) -> float:
+    """The share of the hottest HOT models' requests that find their model cold even under an oracle that
+    knows every rate: it keeps the `resident - 1` most requested models and loads the rest into the last
+    slot (a load needs one). Where this passes 1%, the hot p99 must include a load."""
+    p = zipf_weights(models)
+    return float(p[max(resident - 1, 0):HOT].sum() / p[:HOT].sum())
+
+
+def zipf_sequence(count: int, models: int, seed: int = 0, s: float = 1.1) -> list[int]:
+    return np.random.default_rng(seed).choice(models, size=count, p=zipf_weights(models, s)).tolist()
 
 
 class PeakRss:
@@ -138,6 +150,7 @@ def run_system(repo: Path, extra: list[str], sequence: list[int], rate: float, s
                 "evictions": metric_sum(metrics, "ferry_model_evictions_total"),
                 "loads": metric_sum(metrics, "ferry_model_loads_total"),
                 "load_seconds": metric_sum(metrics, "ferry_model_load_duration_seconds_total"),
+                "hot_loads": sum(metric_sum(metrics, f'ferry_model_loads_total\\{{model="m{i:02d}"[^}}]*\\}}') for i in range(HOT)),
                 "hot_evictions": sum(metric_sum(metrics, f'ferry_model_evictions_total\\{{model="m{i:02d}",reason="[a-z_]+"\\}}')
                                      for i in range(HOT)),
                 "sizes": [float(v) for v in re.findall(r'^ferry_model_memory_bytes\{[^}]*\} (\S+)$',
@@ -168,6 +181,7 @@ def main() -> None:
         demand, demand_info = run_system(repo, ["--model-control-mode", "on_demand", "--model-memory-budget", str(budget)],
                                          sequence, args.rate, args.seconds)
     minutes = demand_info["elapsed"] / 60
+    hot_requests = sum(m < HOT for m in sequence)
     bound = (budget + demand_info["baseline_rss"]) * 1.1
     rows = [{"system": "all loaded", **loaded, "peak_rss_mib": round(loaded_info["peak_rss"] / 2**20, 1)},
             {"system": f"on_demand, budget {budget / 2**20:.0f} MiB", **demand,
@@ -182,7 +196,10 @@ def main() -> None:
             f"on_demand: {demand_info['loads']:.0f} loads ({1e3 * demand_info['load_seconds'] / max(demand_info['loads'], 1):.1f} ms "
             f"each on average, {demand_info['load_seconds']:.1f} s of loading in {demand_info['elapsed']:.0f} s), "
             f"{demand_info['evictions'] / minutes:.0f} evictions per minute "
-            f"({demand_info['hot_evictions']:.0f} of them of the hottest {HOT}); "
+            f"({demand_info['hot_evictions']:.0f} of them of the hottest {HOT}, whose {demand_info['hot_loads']:.0f} loads made "
+            f"at least {100 * demand_info['hot_loads'] / max(hot_requests, 1):.1f}% of their {hot_requests} requests wait; an "
+            f"oracle keeping the {args.resident - 1} most requested resident and loading the rest into the last slot would "
+            f"make {100 * oracle_cold_share(args.models, args.resident):.1f}% wait); "
             f"tail p99 (models outside the hottest {HOT}, where the loads happen) {demand['tail_p99_ms']} ms. Peak RSS "
             f"{demand_info['peak_rss'] / 2**20:.1f} MiB against budget + baseline ({demand_info['baseline_rss'] / 2**20:.1f} MiB) "
             f"+ 10% = {bound / 2**20:.1f} MiB: {'within' if demand_info['peak_rss'] <= bound else 'ABOVE'}."
