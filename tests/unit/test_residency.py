@@ -200,3 +200,106 @@ def test_load_turns_go_to_the_hottest_waiting_but_never_pass_one_over_more_than_
 
     # hot and hot2 pass cold and warm (twice each): both are then due, in arrival order, before hot3
     assert asyncio.run(scenario()) == ["first", "hot", "hot2", "cold", "warm", "hot3"]
+
+
+class Clock:
+    """The limiter's clock and timers, moved by the test."""
+
+    def __init__(self):
+        self.now, self.timers = 0, []
+
+    def call_later(self, delay_s, callback):
+        self.timers.append((self.now + int(delay_s * 1e9), callback))
+        return None
+
+    def advance(self, ns):
+        self.now += ns
+        due = [t for t in self.timers if t[0] <= self.now]
+        self.timers = [t for t in self.timers if t[0] > self.now]
+        for _, callback in due:
+            callback()
+
+
+def anticipating(clock):
+    return RateLimiter({("R", None): 1}, anticipate_ns=4_000_000, clock=lambda: clock.now, call_later=clock.call_later)
+
+
+def test_resources_wait_a_moment_for_a_better_instance_that_comes_back_quickly():
+    """The quiet model's closed-loop clients ask again ~1 ms after each batch: its resources wait that
+    long for it against a worse waiter, which then gets them when the hold ends or the quiet one is done."""
+    clock = Clock()
+    limiter = anticipating(clock)
+    quiet, flood = Need(((("R", "cpu"), 1),), 1), Need(((("R", "cpu"), 1),), 2)
+    granted = []
+    assert limiter.try_acquire(quiet, "quiet")
+    for _ in range(3):  # three batches, each asked for again 1 ms after it was released
+        limiter.wait("flood", flood, lambda: granted.append("flood"))
+        limiter.release(quiet, "quiet")
+        assert granted.pop() == "flood"  # not yet learned: the flood gets the resources at once
+        clock.advance(1_000_000)
+        assert not limiter.try_acquire(quiet, "quiet")
+        limiter.wait("quiet", quiet, lambda: granted.append("quiet"))
+        limiter.release(flood, "flood")
+        assert granted.pop() == "quiet"  # the better priority first
+        clock.advance(1_000_000)
+    limiter.wait("flood", flood, lambda: granted.append("flood"))
+    limiter.release(quiet, "quiet")
+    assert granted == [] and limiter.anticipated == 1  # held for the quiet one: it comes back within ~2 ms
+    assert not limiter.try_acquire(flood, "flood")  # nor can the flood take them by asking
+    clock.advance(1_000_000)
+    assert limiter.try_acquire(quiet, "quiet") and limiter.anticipated_taken == 1
+    assert granted == []
+    limiter.release(quiet, "quiet")  # held again; this time the quiet one does not come back
+    assert granted == [] and limiter.anticipated == 2
+    clock.advance(10_000_000)
+    assert granted == ["flood"]  # the hold ended on its timer, and the flood runs
+    assert not limiter.try_acquire(quiet, "quiet")
+
+
+def test_no_hold_against_equal_priority_or_without_anyone_waiting():
+    clock = Clock()
+    limiter = anticipating(clock)
+    a, b = Need(((("R", "cpu"), 1),), 1), Need(((("R", "cpu"), 1),), 1)
+    for _ in range(4):
+        assert limiter.try_acquire(a, "a")
+        limiter.release(a, "a")  # nobody waits: nothing to hold against
+        clock.advance(500_000)
+    assert limiter.anticipated == 0
+    granted = []
+    assert limiter.try_acquire(a, "a")
+    limiter.wait("b", b, lambda: granted.append("b"))
+    limiter.release(a, "a")
+    assert granted == ["b"] and limiter.anticipated == 0  # the same priority: first come, first served
+
+
+def test_an_instance_that_comes_back_slowly_is_not_anticipated():
+    clock = Clock()
+    limiter = anticipating(clock)
+    quiet, flood = Need(((("R", "cpu"), 1),), 1), Need(((("R", "cpu"), 1),), 2)
+    granted = []
+    assert limiter.try_acquire(quiet, "quiet")
+    for _ in range(5):
+        limiter.wait("flood", flood, lambda: granted.append("flood"))
+        limiter.release(quiet, "quiet")
+        assert granted.pop() == "flood"  # never held: the quiet one's gaps are 3 ms, more than half the bound
+        clock.advance(3_000_000)
+        limiter.wait("quiet", quiet, lambda: granted.append("quiet"))
+        limiter.release(flood, "flood")
+        assert granted.pop() == "quiet"
+    assert limiter.anticipated == 0
+
+
+def test_a_release_without_its_instance_is_not_held():
+    """A runner that took resources and found nothing to run gives them back at once (no token)."""
+    clock = Clock()
+    limiter = anticipating(clock)
+    quiet, flood = Need(((("R", "cpu"), 1),), 1), Need(((("R", "cpu"), 1),), 2)
+    granted = []
+    for _ in range(4):
+        assert limiter.try_acquire(quiet, "quiet")
+        limiter.release(quiet, "quiet")
+        clock.advance(100_000)
+    assert limiter.try_acquire(quiet, "quiet")
+    limiter.wait("flood", flood, lambda: granted.append("flood"))
+    limiter.release(quiet)
+    assert granted == ["flood"] and limiter.anticipated == 0
