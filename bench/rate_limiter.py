@@ -4,16 +4,14 @@
 
 Two ONNX models (bench/models.py's heavy encoder, one CPU instance each, dynamic batching up to 8) that
 both declare `rate_limiter { resources [{name: "cores", count: 2}] }`, the small one with priority 1, the
-flooded one with priority 2. Three servers on the same repository: one with `--rate-limit execution_count
+flooded one with priority 2. Two servers on the same repository: one with `--rate-limit execution_count
 --rate-limit-resource cores:2` (a batch of either model takes both cores; the small model goes first when
-both wait, and its resources wait a moment for its next batch after each one: anticipation), the same
-with `--rate-limit-anticipation-us 0` (Triton's limiter: released resources go to whoever waits), and
-one without a limiter (both models' ONNX Runtime threads share the cores as the OS schedules them).
-Each round, on each server (the servers' order rotating): the small model alone (`--small` closed-loop clients), then the small model
+both wait), one without (both models' ONNX Runtime threads share the cores as the OS schedules them).
+Each round, on each server: the small model alone (`--small` closed-loop clients), then the small model
 while `--flood` clients flood the other. Printed: the small model's p99 and requests/s in each phase, its
 p99 under the flood over its p99 alone (median over rounds; issue 52's goal for the limiter: within 2x),
 and the flooded model's requests/s (what the limiter costs it). The alone phases of the two servers are
-the same work: the two limiter servers' ratio is the A/A control.
+the same work: their ratio is the A/A control.
 """
 
 from __future__ import annotations
@@ -78,27 +76,25 @@ def main() -> None:
     runs: dict[tuple[str, str], list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         repo = repository(Path(tmp) / "repo")
-        limiter = ["--rate-limit", "execution_count", "--rate-limit-resource", "cores:2"]
-        servers = {"limiter": common.start_server(common.ferry_command(repo, *limiter)),
-                   "limiter, no anticipation": common.start_server(common.ferry_command(
-                       repo, *limiter, "--rate-limit-anticipation-us", "0")),
+        servers = {"limiter": common.start_server(common.ferry_command(
+                       repo, "--rate-limit", "execution_count", "--rate-limit-resource", "cores:2")),
                    "no limiter": common.start_server(common.ferry_command(repo))}
         try:
             for r in range(args.rounds):
-                order = list(servers)[r % len(servers):] + list(servers)[:r % len(servers)]
+                order = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for system in order:
                     address = servers[system][1]
                     for name, flood in (("alone", 0), ("flooded", args.flood)):
                         row = asyncio.run(phase(address, payloads, args.small, flood, args.seconds))
                         runs.setdefault((system, name), []).append(row)
-                        print(f"round {r + 1} {system:24s} {name:7s} " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()),
+                        print(f"round {r + 1} {system:10s} {name:7s} " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()),
                               flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.terminate()
                 proc.wait(60)
     rows = []
-    for system in servers:
+    for system in ("limiter", "no limiter"):
         alone, flooded = runs[(system, "alone")], runs[(system, "flooded")]
         ratios = [f["small_p99_ms"] / a["small_p99_ms"] for a, f in zip(alone, flooded)]
         rows.append({"server": system, "small alone p99 ms": round(median(alone, "small_p99_ms"), 1),
@@ -107,13 +103,12 @@ def main() -> None:
                      "per round": "/".join(f"{v:.2f}" for v in ratios),
                      "small flooded req/s": round(median(flooded, "small_rps"), 1),
                      "flood req/s": round(median(flooded, "flood_rps"), 1)})
-    control = [a["small_p99_ms"] / b["small_p99_ms"]
-               for a, b in zip(runs[("limiter", "alone")], runs[("limiter, no anticipation", "alone")])]
+    control = [a["small_p99_ms"] / b["small_p99_ms"] for a, b in zip(runs[("limiter", "alone")], runs[("no limiter", "alone")])]
     body = (f"Two heavy-encoder ONNX models (x [32, 512], one CPU instance each, batches up to 8), both declaring "
             f"`cores: 2` (small priority 1, flood priority 2); {args.small} closed-loop clients on the small model, "
             f"{args.flood} on the flooded one, {args.seconds:.0f} s a phase, {args.rounds} interleaved rounds.\n\n"
             f"{common.table(rows, list(rows[0]))}\n\n"
-            f"A/A control (the small model alone on the two limiter servers, the same work): p99 ratio per round "
+            f"A/A control (the small model alone on the two servers, the same work): p99 ratio per round "
             f"{'/'.join(f'{v:.2f}' for v in control)} (median {np.median(control):.2f}).\n" + common.load_note(load_before))
     print(body)
     if not args.no_record:

@@ -94,10 +94,6 @@ def _serve_parser(sub) -> None:
     access.add_argument("--rate-limit-resource", action="append", default=[], metavar="NAME:COUNT[:DEVICE]",
                         help="as Triton's: how many of a rate_limiter resource exist, per device (DEVICE: a GPU index, or "
                              "'global'; none: each device); unnamed resources count the largest ask of any instance")
-    access.add_argument("--rate-limit-anticipation-us", type=int, default=None, metavar="US",
-                        help="with --rate-limit execution_count: the longest an instance's released resources wait for "
-                             "its next batch against worse-priority waiters, where it comes back quickly "
-                             "(default 4000; 0: hand them on at once, as Triton does)")
     access.add_argument("--allow-model-upload", action="store_true",
                         help="explicit mode: let a load carry model files (`file:` parameters), which can run code on this "
                              "server; off by default (needs the admin token when tokens are set)")
@@ -168,7 +164,6 @@ def main(argv: list[str] | None = None) -> None:
         model_load_patience_s=args.model_load_patience,
         rate_limit=args.rate_limit,
         rate_limit_resources=_rate_limit_resources(parser, args),
-        rate_limit_anticipation_us=_anticipation_us(parser, args),
         allow_model_upload=args.allow_model_upload,
         allow_shared_memory=args.allow_shared_memory or bool(args.allow_client_shm),
         allow_log_settings=args.allow_log_settings,
@@ -268,19 +263,6 @@ def _rate_limit_resources(parser: argparse.ArgumentParser, args) -> tuple:
         return tuple(parse_resource(text) for text in args.rate_limit_resource)
     except ValueError as exc:
         parser.error(f"--rate-limit-resource: {exc}")
-
-
-def _anticipation_us(parser: argparse.ArgumentParser, args) -> int:
-    from server.scheduling.rate_limiter import ANTICIPATE_NS
-
-    value = args.rate_limit_anticipation_us
-    if value is None:
-        return ANTICIPATE_NS // 1000
-    if args.rate_limit != "execution_count":
-        parser.error("--rate-limit-anticipation-us needs --rate-limit execution_count")
-    if value < 0:
-        parser.error(f"--rate-limit-anticipation-us must be 0 or more microseconds, not {value}")
-    return value
 
 
 def _cache_bytes(parser: argparse.ArgumentParser, values: list[str]) -> int:

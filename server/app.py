@@ -22,7 +22,6 @@ from server.observability.log_settings import LogControl
 from server.observability.metrics import FrontDoorRequests, TraceCollector
 from server.repository.registry import Registry
 from server.repository.watcher import RepositoryWatcher
-from server.scheduling.rate_limiter import ANTICIPATE_NS
 from server.doors.header_forward import header_forward
 from server.doors.access import GRPC_HEADER_PREFIX, AccessPolicy, Restriction, restriction_table
 from server.doors.grpc.auth import AccessCheck
@@ -63,7 +62,6 @@ class ServerConfig:
     model_load_patience_s: float = 1.0  # on_demand: a load's wait for busy residents (server/repository/on_demand.py)
     rate_limit: str = "off"  # Triton's --rate-limit: off | execution_count (instance_group rate_limiter applied)
     rate_limit_resources: tuple = ()  # --rate-limit-resource: ((name, device or None for each device), count)
-    rate_limit_anticipation_us: int = ANTICIPATE_NS // 1000  # how long released resources wait for a quickly returning better instance
     allow_model_upload: bool = False  # explicit mode: loads may carry model files (`file:` parameters)
     allow_shared_memory: bool = False  # clients may register system shared-memory regions
     allow_log_settings: bool = False  # clients may change the log settings

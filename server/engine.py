@@ -75,7 +75,7 @@ def _limit(nbytes: int) -> str:
 def rate_limiter(config: ServerConfig) -> RateLimiter | None:
     if config.rate_limit != "execution_count":
         return None
-    limiter = RateLimiter(dict(config.rate_limit_resources), anticipate_ns=config.rate_limit_anticipation_us * 1000)
+    limiter = RateLimiter(dict(config.rate_limit_resources))
     log.info("rate limiter on: instances run only while their rate_limiter resources are free (%s)",
              ", ".join(f"{n}:{c}" + (f":{d}" if d else "") for (n, d), c in config.rate_limit_resources) or
              "counts from the largest ask")

@@ -244,17 +244,16 @@ class ModelRunner(RunnerBase):
             worker = self._granted.pop()
             if worker in self._held and worker in self._idle:
                 return worker
-        if not len(self.scheduler):
-            return None  # an ask without work would read to the limiter as this instance coming back
         for worker in reversed(self._idle):
             need = self._needs.get(worker)
             if need is None or not need.counts:
                 return worker
-            if self._limiter.try_acquire(need, worker):
+            if self._limiter.try_acquire(need):
                 self._held.add(worker)
                 return worker
-        for worker in self._idle:
-            self._limiter.wait(worker, self._needs[worker], functools.partial(self._reserved, worker))
+        if len(self.scheduler):
+            for worker in self._idle:
+                self._limiter.wait(worker, self._needs[worker], functools.partial(self._reserved, worker))
         return None
 
     def _reserved(self, worker: Worker) -> None:
@@ -263,12 +262,10 @@ class ModelRunner(RunnerBase):
         self._granted.append(worker)
         self._turn_soon()
 
-    def _unhold(self, worker: Worker, executed: bool = False) -> None:
-        """Give `worker`'s resources back: after a batch it `executed` the limiter may keep them a moment
-        for it (it anticipates the instance's next batch); unused ones go to the line at once."""
+    def _unhold(self, worker: Worker) -> None:
         if worker in self._held:
             self._held.discard(worker)
-            self._limiter.release(self._needs[worker], worker if executed else None)
+            self._limiter.release(self._needs[worker])
 
     def _expire(self, now: int) -> None:
         for request in self.scheduler.expire(now):
@@ -403,7 +400,7 @@ class ModelRunner(RunnerBase):
         request, and the instance would otherwise sit idle while the loop encodes and sends them all.
         The price: those answers wait for the next batch's inputs to be copied (~0.5 ms for 1.5 MB)."""
         if self._limiter is not None:
-            self._unhold(worker, executed=True)  # instances of other models waiting for them are served first
+            self._unhold(worker)  # instances of other models waiting for these resources are served first
         self._idle.append(worker)
         if not self._accepting:
             self._wake.set()  # draining: the loop ends once every instance is back
