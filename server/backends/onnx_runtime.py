@@ -48,18 +48,31 @@ def _cuda_works() -> bool:
         ort.set_default_logger_severity(2)
 
 
-def _graph_tensors(model_path: Path):
-    model = onnx.load(str(model_path), load_external_data=False)
+GraphTensor = tuple[str, datatypes.DataType, tuple[int, ...]]  # name, dtype, dims (-1: free)
+
+
+def _graph_tensors(model_path: Path) -> tuple[tuple[GraphTensor, ...], tuple[GraphTensor, ...]]:
+    """The graph's inputs (initializers left out) and outputs. Reading them parses the whole file, weights
+    included, and on-demand model control loads a model again every time it comes back: that parse was a
+    quarter of each load under bench/many_models.py (py-spy), so it is kept per file version (path, size,
+    modification time, inode) as plain tuples, which hold nothing of the parsed model."""
+    stat = model_path.stat()
+    return _graph_io(str(model_path), stat.st_size, stat.st_mtime_ns, stat.st_ino)
+
+
+@functools.lru_cache(maxsize=4096)
+def _graph_io(path: str, size: int, mtime_ns: int, inode: int) -> tuple[tuple[GraphTensor, ...], tuple[GraphTensor, ...]]:
+    model = onnx.load(path, load_external_data=False)
     initializers = {i.name for i in model.graph.initializer}
-    inputs = [v for v in model.graph.input if v.name not in initializers]
-    return inputs, list(model.graph.output)
+    inputs = tuple(_tensor_info(v) for v in model.graph.input if v.name not in initializers)
+    return inputs, tuple(_tensor_info(v) for v in model.graph.output)
 
 
-def _tensor_info(value) -> tuple[datatypes.DataType, list[int]]:
+def _tensor_info(value) -> GraphTensor:
     tensor_type = value.type.tensor_type
     np_dtype = helper.tensor_dtype_to_np_dtype(tensor_type.elem_type)
-    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim]
-    return datatypes.from_numpy(np_dtype), dims
+    dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tensor_type.shape.dim)
+    return value.name, datatypes.from_numpy(np_dtype), dims
 
 
 def session_options(config: mc.ModelConfig) -> ort.SessionOptions:
@@ -104,17 +117,15 @@ class OnnxRuntimeBackend(Backend):
         if config.input and config.output:
             return
         inputs, outputs = _graph_tensors(model_path)
-        infos = [(v.name, *_tensor_info(v)) for v in inputs + outputs]
-        batchable = all(dims and dims[0] == -1 for _, _, dims in infos)
+        batchable = all(dims and dims[0] == -1 for _, _, dims in inputs + outputs)
         if not config.input and not config.output and config.max_batch_size == 0 and batchable:
             config.max_batch_size = default_max_batch_size
         skip = 1 if config.max_batch_size > 0 else 0
         for target, values in ((config.input, inputs), (config.output, outputs)):
             if target:
                 continue
-            for value in values:
-                dtype, dims = _tensor_info(value)
-                target.add(name=value.name, data_type=mc.DataType.Value(dtype.config), dims=dims[skip:])
+            for name, dtype, dims in values:
+                target.add(name=name, data_type=mc.DataType.Value(dtype.config), dims=dims[skip:])
 
     def load(self) -> None:
         options = session_options(self.config)
