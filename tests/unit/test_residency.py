@@ -170,18 +170,20 @@ def test_a_model_nobody_asks_for_any_more_fades_below_a_recent_one_off():
     assert residency.plan("new", Footprint({"host": 10 * MiB}), lambda n: True) == ["was_hot"]
 
 
-def test_load_turns_go_to_the_hottest_waiting_but_never_pass_one_over_more_than_twice():
+def test_load_turns_go_to_the_hottest_waiting_but_never_keep_one_waiting_past_the_bound():
     import asyncio
 
     from server.repository.on_demand import LoadTurns
 
     async def scenario() -> list[str]:
-        turns, order, gate = LoadTurns(), [], asyncio.Event()
+        now = [0.0]
+        turns, order, gate = LoadTurns(starve_s=2.0, clock=lambda: now[0]), [], asyncio.Event()
 
         async def load(name: str, heat: float, asked: asyncio.Event, hold: asyncio.Event | None = None) -> None:
             asked.set()  # from here to its first wait for the turn nothing yields: queued when the test resumes
             async with turns.turn(heat):
                 order.append(name)
+                now[0] += 0.5  # each load takes half a second of the test's clock
                 if hold is not None:
                     await hold.wait()
 
@@ -192,11 +194,12 @@ def test_load_turns_go_to_the_hottest_waiting_but_never_pass_one_over_more_than_
             return task
 
         tasks = [await start("first", 0, gate)]  # holds the turn until the gate opens
-        for name, heat in (("cold", 0.5), ("warm", 3), ("hot", 9), ("hot2", 9), ("hot3", 9)):
+        for name, heat in (("cold", 0.5), ("warm", 3), ("hot", 9), ("hot2", 9), ("hot3", 9), ("hot4", 9), ("hot5", 9)):
             tasks.append(await start(name, heat))
         gate.set()
         await asyncio.wait_for(asyncio.gather(*tasks), 60)
         return order
 
-    # hot and hot2 pass cold and warm (twice each): both are then due, in arrival order, before hot3
-    assert asyncio.run(scenario()) == ["first", "hot", "hot2", "cold", "warm", "hot3"]
+    # hotter first, whatever the line's depth; once cold and warm have waited 2 s (they queued while first
+    # ran; hot to hot4 took half a second each) they go first, in arrival order, before the hot one left
+    assert asyncio.run(scenario()) == ["first", "hot", "hot2", "hot3", "hot4", "cold", "warm", "hot5"]
