@@ -76,16 +76,63 @@ def _tensor_info(value) -> GraphTensor:
     return value.name, datatypes.from_numpy(np_dtype), dims
 
 
+# Triton's `optimization { graph { level } }` for ONNX Runtime: -1 basic, 1 extended, 2 none; anything else all.
+_GRAPH_LEVELS = {-1: ort.GraphOptimizationLevel.ORT_ENABLE_BASIC, 1: ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+                 2: ort.GraphOptimizationLevel.ORT_DISABLE_ALL}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+SHRINKAGE = "memory.enable_memory_arena_shrinkage"  # a run option: which arenas give memory back after each run
+
+
 def session_options(config: mc.ModelConfig) -> ort.SessionOptions:
-    """The config's thread parameters, as every ONNX Runtime session Ferry makes reads them."""
+    """The session settings Triton's ONNX Runtime backend reads from a config, as every session Ferry makes
+    reads them: thread counts, `execution_mode`, `enable_mem_arena`, `enable_mem_pattern`,
+    `session.use_device_allocator_for_initializers` and the graph optimization level. A Triton repository
+    that tunes them (a model with many branches run in parallel, many small models without an arena each)
+    gets what it asked for, and a value Triton would refuse is refused here too, naming the parameter."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = int(parameter(config, "intra_op_thread_count", "0"))
     options.inter_op_num_threads = int(parameter(config, "inter_op_thread_count", "0"))
+    mode = parameter(config, "execution_mode", "0").strip()
+    if mode not in ("0", "1"):
+        raise ConfigError(f"model '{config.name}': parameter execution_mode must be 0 (sequential) or 1 (parallel), "
+                          f"not {mode!r}")
+    options.execution_mode = ort.ExecutionMode.ORT_PARALLEL if mode == "1" else ort.ExecutionMode.ORT_SEQUENTIAL
+    for key, attribute in (("enable_mem_arena", "enable_cpu_mem_arena"), ("enable_mem_pattern", "enable_mem_pattern")):
+        value = parameter(config, key)
+        if value is not None:
+            setattr(options, attribute, _flag(config, key, value))
+    level = config.optimization.graph.level if config.optimization.HasField("graph") else 0
+    options.graph_optimization_level = _GRAPH_LEVELS.get(level, ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+    allocator = parameter(config, "session.use_device_allocator_for_initializers")
+    if allocator is not None:
+        options.add_session_config_entry("session.use_device_allocator_for_initializers", allocator)
     # Spinning threads burn a core while idle and starve the gRPC side on small machines.
     spin = parameter(config, "allow_spinning", "0")
     options.add_session_config_entry("session.intra_op.allow_spinning", spin)
     options.add_session_config_entry("session.inter_op.allow_spinning", spin)
     return options
+
+
+def run_options(config: mc.ModelConfig) -> ort.RunOptions | None:
+    """`memory.enable_memory_arena_shrinkage` ('cpu:0', 'gpu:0', or both with ';'): those arenas hand back
+    what a run took beyond their first allocation, after every run. None without it."""
+    shrink = parameter(config, SHRINKAGE)
+    if not shrink:
+        return None
+    arena = parameter(config, "enable_mem_arena")
+    if "cpu" in shrink and arena is not None and not _flag(config, "enable_mem_arena", arena):
+        raise ConfigError(f"model '{config.name}': parameter {SHRINKAGE} names the CPU arena ({shrink!r}) but "
+                          "enable_mem_arena turns it off: drop one of the two")
+    options = ort.RunOptions()
+    options.add_run_config_entry(SHRINKAGE, shrink)
+    return options
+
+
+def _flag(config: mc.ModelConfig, key: str, value: str) -> bool:
+    text = value.strip().lower()
+    if text not in _TRUE + _FALSE:
+        raise ConfigError(f"model '{config.name}': parameter {key} must be true or false (1 or 0), not {value!r}")
+    return text in _TRUE
 
 
 class OnnxRuntimeBackend(Backend):
@@ -130,6 +177,7 @@ class OnnxRuntimeBackend(Backend):
 
     def load(self) -> None:
         options = session_options(self.config)
+        self._run_options = run_options(self.config)
         if self.device.kind == "cuda":
             providers = [(CUDA, {"device_id": self.device.index}), CPU]
         else:
@@ -155,7 +203,7 @@ class OnnxRuntimeBackend(Backend):
 
     def execute(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = {n: self._to_ort_strings(v) if n in self._strings else v for n, v in inputs.items()}
-        values = self.session.run(self._outputs, feed)
+        values = self.session.run(self._outputs, feed, self._run_options)
         return dict(zip(self._outputs, values))
 
     @staticmethod

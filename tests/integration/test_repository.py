@@ -88,3 +88,34 @@ def test_graceful_shutdown_finishes_admitted_requests(tmp_path):
     assert "ferry: stopped" in server.output
     with pytest.raises(grpc.RpcError):  # and nothing is accepted afterwards
         kserve.infer(server.channel, "slow", {"X": X[:1]})
+
+
+TUNED = '''
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+optimization { graph { level: 1 } }
+parameters { key: "execution_mode" value: { string_value: "1" } }
+parameters { key: "enable_mem_arena" value: { string_value: "0" } }
+parameters { key: "enable_mem_pattern" value: { string_value: "0" } }
+parameters { key: "intra_op_thread_count" value: { string_value: "1" } }
+'''
+
+
+def test_triton_onnx_runtime_settings_load_and_a_bad_one_is_named(tmp_path):
+    """A Triton repository's ONNX Runtime tuning loads unchanged and serves; a value Triton refuses leaves
+    that model unavailable with the parameter named, and the rest of the repository serves."""
+    builders.mlp(tmp_path / "tuned" / "1" / "model.onnx", 4, seed=1)
+    (tmp_path / "tuned" / "config.pbtxt").write_text(TUNED)
+    builders.mlp(tmp_path / "plain" / "1" / "model.onnx", 4, seed=1)
+    builders.mlp(tmp_path / "bad" / "1" / "model.onnx", 4, seed=1)
+    (tmp_path / "bad" / "config.pbtxt").write_text(TUNED.replace('string_value: "1" } }\nparameters { key: "enable_mem_arena"',
+                                                                  'string_value: "fast" } }\nparameters { key: "enable_mem_arena"'))
+    server = RunningServer(tmp_path)
+    try:
+        tuned, plain = (kserve.infer(server.channel, name, {"X": X})["Y"] for name in ("tuned", "plain"))
+        np.testing.assert_allclose(tuned, plain, rtol=1e-5, atol=1e-6)  # the same weights, tuned or not
+        models = {m.name: m for m in kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest()).models}
+        assert models["tuned"].state == "READY" and models["bad"].state == "UNAVAILABLE"
+        assert "execution_mode" in models["bad"].reason and "fast" in models["bad"].reason
+    finally:
+        server.stop()
