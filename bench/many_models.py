@@ -35,7 +35,7 @@ WIDTH = 1024
 HOT = 10
 
 
-def repository(root: Path, count: int) -> Path:
+def repository(root: Path, count: int, arena: bool = True) -> Path:
     from tests import builders  # the tests' ONNX helpers: the same tiny-model builder
 
     for i in range(count):
@@ -44,7 +44,9 @@ def repository(root: Path, count: int) -> Path:
                            [builders.tensor("X", TensorProto.FLOAT, ["batch", WIDTH])],
                            [builders.tensor("Y", TensorProto.FLOAT, ["batch", WIDTH])], root / f"m{i:02d}" / "1" / "model.onnx",
                            [helper.make_tensor("W", TensorProto.FLOAT, [WIDTH, WIDTH], w.ravel())])
-        (root / f"m{i:02d}" / "config.yaml").write_text("max_batch_size: 8\ninstance_group: [{count: 1, kind: KIND_CPU}]\n")
+        (root / f"m{i:02d}" / "config.yaml").write_text(
+            "max_batch_size: 8\ninstance_group: [{count: 1, kind: KIND_CPU}]\n"
+            + ("" if arena else "parameters: {enable_mem_arena: {string_value: '0'}}\n"))
     return root
 
 
@@ -167,12 +169,14 @@ def main() -> None:
     parser.add_argument("--resident", type=int, default=10)
     parser.add_argument("--rate", type=float, default=150)
     parser.add_argument("--seconds", type=float, default=20)
+    parser.add_argument("--no-arena", action="store_true", help="the models' configs turn ONNX Runtime's CPU arena off "
+                        "(enable_mem_arena: '0', as in Triton)")
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     sequence = zipf_sequence(int(args.rate * args.seconds), args.models)
     with tempfile.TemporaryDirectory() as tmp:
-        repo = repository(Path(tmp) / "repo", args.models)
+        repo = repository(Path(tmp) / "repo", args.models, arena=not args.no_arena)
         # three loads one after another, each measured alone: the budget holds `--resident` of their median
         _, alone = run_system(repo, ["--model-control-mode", "on_demand"], [0, 1, 2], 2, 1.5)
         one_model = float(np.median(alone["sizes"]))
@@ -189,7 +193,7 @@ def main() -> None:
     columns = ["system", "rps", "hot_p50_ms", "hot_p99_ms", "tail_p99_ms", "errors", "peak_rss_mib"]
     ratios = (f"on_demand / all loaded: requests/s {demand['rps'] / loaded['rps']:.2f}, hot p50 "
               f"{demand['hot_p50_ms'] / loaded['hot_p50_ms']:.2f}, hot p99 {demand['hot_p99_ms'] / loaded['hot_p99_ms']:.2f}")
-    body = (f"{args.models} models (4 MiB weight each, footprint measured alone "
+    body = (f"{args.models} models (4 MiB weight each{', ONNX Runtime CPU arena off' if args.no_arena else ''}, footprint measured alone "
             f"{one_model / 2**20:.1f} MiB; loaded all at once at start-up they measure up to "
             f"{max(loaded_info['sizes'], default=0) / 2**20:.1f} MiB, each load's figure holding some of the others'), budget for {args.resident}; open loop {args.rate:.0f} req/s "
             f"for {args.seconds:.0f} s, Zipf s=1.1 (same sequence for both).\n\n{common.table(rows, columns)}\n\n{ratios}\n\n"
