@@ -113,7 +113,8 @@ def test_triton_onnx_runtime_settings_load_and_a_bad_one_is_named(tmp_path):
     server = RunningServer(tmp_path)
     try:
         tuned, plain = (kserve.infer(server.channel, name, {"X": X})["Y"] for name in ("tuned", "plain"))
-        np.testing.assert_allclose(tuned, plain, rtol=1e-5, atol=1e-6)  # the same weights, tuned or not
+        # the same weights; other threads and graph optimizations may round differently
+        np.testing.assert_allclose(tuned, plain, rtol=1e-4, atol=1e-5)
         models = {m.name: m for m in kserve.stub(server.channel).RepositoryIndex(pb.RepositoryIndexRequest()).models}
         assert models["tuned"].state == "READY" and models["bad"].state == "UNAVAILABLE"
         assert "execution_mode" in models["bad"].reason and "fast" in models["bad"].reason

@@ -40,34 +40,35 @@ class Servicer:
         self._fail(context)
 
 
-async def call_both(servicer: Servicer) -> list[grpc.StatusCode]:
+async def call_both(servicer: Servicer) -> tuple[list[grpc.StatusCode], list[bytes]]:
     server = grpc.aio.server()
     handlers = {"Unary": grpc.unary_unary_rpc_method_handler(servicer.Unary),
                 "Stream": grpc.unary_stream_rpc_method_handler(servicer.Stream)}
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Held", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    codes = []
+    codes, streamed = [], []
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             for call in (channel.unary_unary("/test.Held/Unary")(b"x", timeout=60),
                          channel.unary_stream("/test.Held/Stream")(b"x", timeout=60)):
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     if hasattr(call, "__aiter__"):
-                        async for _ in call:
-                            pass
+                        async for message in call:
+                            streamed.append(message)
                     else:
                         await call
                 codes.append(info.value.code())
     finally:
         await server.stop(None)
-    return codes
+    return codes, streamed
 
 
 def test_an_aborted_calls_kept_state_does_not_hold_the_handlers_frames():
     servicer = Servicer()
-    codes = asyncio.run(call_both(servicer))
+    codes, streamed = asyncio.run(call_both(servicer))
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 2
+    assert streamed == [b"first"]  # the stream's response before its error reached the client
     assert len(servicer.contexts) == 2  # gRPC's call state, kept alive here
     gc.collect()
     assert [ref() for ref in servicer.held] == [None, None]
