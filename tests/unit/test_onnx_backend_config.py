@@ -1,6 +1,9 @@
-"""An ONNX model's inputs and outputs are read from its file once per version of the file: on-demand
+"""What the ONNX Runtime backend reads from a model's file and config.
+
+An ONNX model's inputs and outputs are read from its file once per version of the file: on-demand
 model control loads a model again each time it comes back, and parsing the weights just for the
-signature was a quarter of each load. A file that changes is read again."""
+signature was a quarter of each load. A file that changes is read again. A Triton config's session
+settings reach the session, and values Triton refuses are refused."""
 
 from __future__ import annotations
 
