@@ -7,7 +7,11 @@ starting from the config Ferry completes from the model file alone:
 2. the sweep measures every point of the grid (`--sweep full`: the tuner's whole batching space;
    `reduced`, the default on a small machine: batch sizes x windows x instances, preferred sizes left out);
 3. the default config, the tuner's pick and the sweep's best are then measured again in interleaved
-   rounds, so the ratios compare configs under the same machine noise, not the first readings.
+   rounds, so the ratios compare configs under the same machine noise, not the first readings;
+4. in the same rounds, the floor (bench/floor_server.py --model: a bare grpc.aio handler whose batching hop
+   runs the same model on whatever queued, with no config at all) under the same load: the p99 no Python
+   server reaches on this machine. A target below the floor's p99 is out of reach for every config, and
+   the verdict says so rather than calling the tuner's miss its own.
 
 Goals (issue 54): tuner / sweep-best >= 0.95x requests/s while meeting the p99 target; tuner / default
 >= 1.3x where the default misses the target or leaves throughput on the table (printed either way).
@@ -36,6 +40,7 @@ from clients.tune.measure import Load, measure
 from clients.tune.search import Objective
 from clients.tune.target import Target
 
+FLOOR = "floor"
 MODELS = {"light": (models.light_mlp, 64, 30.0), "heavy": (models.heavy_encoder, 64, 200.0)}
 
 
@@ -93,16 +98,27 @@ def one_model(which: str, args, work: Path) -> dict:
         finals = {"default": space.current(default), "tuned": {**space.current(default), **tuned},
                   "sweep best": {**space.current(default), **best}}
         rows = {label: [] for label in finals}
-        for _ in range(args.rounds):  # interleaved: each round measures all three under the same conditions
-            for label, knobs in finals.items():
-                target.apply(name, space.apply(default, knobs, p99))
-                rows[label].append(measure(target, load))
+        rows[FLOOR] = []
+        floor_proc, floor_address = start_server([sys.executable, "-m", "bench.floor_server", "--model",
+                                                  str(repo / name / "1" / "model.onnx")])
+        floor = Target(floor_address)
+        try:
+            for _ in range(args.rounds):  # interleaved: each round measures all of them under the same conditions
+                for label, knobs in finals.items():
+                    target.apply(name, space.apply(default, knobs, p99))
+                    rows[label].append(measure(target, load))
+                rows[FLOOR].append(measure(floor, load))
+        finally:
+            floor.close()
+            floor_proc.terminate()
+            floor_proc.wait(30)
         target.apply(name, default)
     finally:
         target.close()
         proc.terminate()
         proc.wait(30)
-    summary = {label: {"config": space.summary(finals[label]),
+    finals[FLOOR] = None
+    summary = {label: {"config": space.summary(finals[label]) if finals[label] else "none (batches whatever queued)",
                        "rps": round(statistics.median(r["throughput_rps"] for r in rs), 1),
                        "p99_ms": round(statistics.median(r["latency_p99_ms"] or float("inf") for r in rs), 2),
                        "batch": round(statistics.median(r["mean_batch"] or 0 for r in rs), 2)}
@@ -119,11 +135,17 @@ def verdict(result: dict) -> str:
     vs_best = tuned["rps"] / best["rps"] if best["rps"] else float("nan")
     vs_default = tuned["rps"] / default["rps"] if default["rps"] else float("nan")
     meets = tuned["p99_ms"] <= target
+    floor = s.get(FLOOR)
+    reach = ""
+    if floor:
+        reach = (f" The floor (a bare batching grpc.aio handler running the same model): {floor['rps']} req/s at p99 "
+                 f"{floor['p99_ms']} ms; " + ("the target is below it: no config reaches it on this machine."
+                                               if floor["p99_ms"] > target else "the target is within its reach."))
     return (f"{result['model']}: tuned/sweep-best {vs_best:.2f}x ({'met' if vs_best >= 0.95 and meets else 'MISSED'} "
             f">= 0.95x within p99 {target:g} ms: tuned p99 {tuned['p99_ms']} ms); tuned/default {vs_default:.2f}x "
             f"(goal >= 1.3x; default p99 {default['p99_ms']} ms {'over' if default['p99_ms'] > target else 'within'} "
             f"the target). ferry tune: {result['tune_candidates']} configs in {result['tune_s']} s; sweep: "
-            f"{result['sweep_points']} configs in {result['sweep_s']} s.")
+            f"{result['sweep_points']} configs in {result['sweep_s']} s." + reach)
 
 
 def main() -> None:
