@@ -9,9 +9,10 @@ starting from the config Ferry completes from the model file alone:
 3. the default config, the tuner's pick and the sweep's best are then measured again in interleaved
    rounds, so the ratios compare configs under the same machine noise, not the first readings;
 4. in the same rounds, the floor (bench/floor_server.py --model: a bare grpc.aio handler whose batching hop
-   runs the same model on whatever queued, with no config at all) under the same load: the p99 no Python
-   server reaches on this machine. A target below the floor's p99 is out of reach for every config, and
-   the verdict says so rather than calling the tuner's miss its own.
+   runs the same model on whatever queued, with no config at all) under the same load: what a Python
+   server with nothing but a batching hop gets on this machine. It is a reference, not a bound (a tuned
+   window can batch better than "whatever queued"); where it misses the target too, the target asks more
+   of this machine than the serving stack's floor gives, and the verdict says so beside the tuner's miss.
 
 Goals (issue 54): tuner / sweep-best >= 0.95x requests/s while meeting the p99 target; tuner / default
 >= 1.3x where the default misses the target or leaves throughput on the table (printed either way).
@@ -139,8 +140,7 @@ def verdict(result: dict) -> str:
     reach = ""
     if floor:
         reach = (f" The floor (a bare batching grpc.aio handler running the same model): {floor['rps']} req/s at p99 "
-                 f"{floor['p99_ms']} ms; " + ("the target is below it: no config reaches it on this machine."
-                                               if floor["p99_ms"] > target else "the target is within its reach."))
+                 f"{floor['p99_ms']} ms, " + ("over the target too." if floor["p99_ms"] > target else "within the target."))
     return (f"{result['model']}: tuned/sweep-best {vs_best:.2f}x ({'met' if vs_best >= 0.95 and meets else 'MISSED'} "
             f">= 0.95x within p99 {target:g} ms: tuned p99 {tuned['p99_ms']} ms); tuned/default {vs_default:.2f}x "
             f"(goal >= 1.3x; default p99 {default['p99_ms']} ms {'over' if default['p99_ms'] > target else 'within'} "
