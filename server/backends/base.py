@@ -98,6 +98,12 @@ class Backend(ABC):
     def unload(self) -> None:
         """Release the model's memory."""
 
+    def held(self) -> tuple | None:
+        """The objects holding the model's memory (a session, a module) that `unload` lets go of, so an
+        unload can tell from weak references whether reference counting freed them or a cycle keeps them
+        (server/heap.py `reclaim`); None: not known, and every unload then runs a full collection."""
+        return None
+
     def describe(self) -> dict[str, str]:
         """Facts an operator wants to see in the model's config parameters (device, provider)."""
         return {"device": str(self.device)}

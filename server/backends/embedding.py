@@ -125,6 +125,9 @@ class EmbeddingBackend(Backend):
                 pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
         return pooled.float().cpu().numpy()
 
+    def held(self) -> tuple:
+        return (self.encoder,) if getattr(self, "encoder", None) is not None else ()
+
     def unload(self) -> None:
         self.encoder = None
         if self.device.kind == "cuda":

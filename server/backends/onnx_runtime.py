@@ -212,6 +212,9 @@ class OnnxRuntimeBackend(Backend):
         flat = [v.decode() if isinstance(v, bytes) else v for v in array.reshape(-1)]
         return np.array(flat, dtype=object).reshape(array.shape)
 
+    def held(self) -> tuple:
+        return (self.session,) if getattr(self, "session", None) is not None else ()
+
     def unload(self) -> None:
         self.session = None
 

@@ -67,6 +67,9 @@ class TorchBackend(Backend):
             raise BackendError(f"model returned {len(result)} outputs; the config declares {self._outputs}")
         return dict(zip(self._outputs, result))
 
+    def held(self) -> tuple:
+        return (self.module,) if getattr(self, "module", None) is not None else ()
+
     def unload(self) -> None:
         self.module = None
         if self.device.kind == "cuda":

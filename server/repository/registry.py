@@ -46,6 +46,7 @@ class ModelVersion:
     runner: Runner | None = None
     cold: bool = False  # on-demand model control: described, not loaded; its first request loads it
     footprint: footprints.Footprint | None = None  # what its instances hold while it is loaded
+    backends: tuple = ()  # its instances' backends, asked what they hold when it is unloaded (heap.reclaim)
 
     @property
     def ready(self) -> bool:
@@ -243,6 +244,7 @@ class Registry:
                 backend.unload()
             return mv
         mv.runner.start()
+        mv.backends = tuple(entry.backends)
         mv.state = READY
         log.info("model '%s' version %d is READY (%d instance(s), memory %s)", name, entry.version, len(entry.backends),
                  entry.footprint.shown() if entry.footprint else "unknown")
@@ -250,14 +252,19 @@ class Registry:
 
     @staticmethod
     async def _retire(versions: list[ModelVersion], grace_s: float, reclaim: bool = True) -> None:
-        closing = []
+        closing, watched = [], []
         for mv in versions:
             if mv.runner is not None:
                 mv.state = UNLOADING
                 closing.append(mv.runner.close(grace_s))
+                for backend in mv.backends:  # weak references only: nothing here may keep what they watch
+                    refs = heap.watch(backend.held())
+                    watched = None if refs is None or watched is None else watched + refs
         await asyncio.gather(*closing)
+        for mv in versions:
+            mv.backends = ()
         if closing and reclaim:
-            heap.reclaim()
+            heap.reclaim(watched)
 
     def get(self, name: str, version: str = "", cold_ok: bool = False) -> ModelVersion:
         """The version a request should use; raises NOT_FOUND / UNAVAILABLE / INVALID_ARGUMENT errors.

@@ -108,3 +108,65 @@ def test_the_kernel_cache_keeps_what_a_burst_of_shapes_would_evict():
     still cached once heap.keep() ran, where oneDNN's default 1,024 entries had evicted it."""
     assert last_creation("keep") == "create:cache_hit"
     assert last_creation("default") == "create:cache_miss"  # the same shapes without keep(): evicted
+
+
+def _full_collections() -> tuple[list[int], object]:
+    """Collections of the oldest generation from now on: the walk of every object an unload must avoid."""
+    seen: list[int] = []
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            seen.append(1)
+
+    gc.callbacks.append(count)
+    return seen, count
+
+
+def test_an_unload_whose_models_refcounting_freed_walks_nothing():
+    try:
+        model = torch.nn.Linear(4, 4)  # no cycle: its last reference going frees it
+        heap.park()
+        watched = heap.watch([model])
+        del model
+        frozen = gc.get_freeze_count()
+        seen, count = _full_collections()
+        try:
+            heap.reclaim(watched)
+        finally:
+            gc.callbacks.remove(count)
+        assert seen == []  # no collection at all
+        assert gc.get_freeze_count() == frozen  # the parked heap was not handed back
+    finally:
+        gc.unfreeze()
+
+
+def test_a_cycle_made_after_the_park_is_freed_without_unparking():
+    try:
+        heap.park()
+        model = Node()  # loaded after the park: in the ordinary generations
+        watched = heap.watch([model])
+        del model
+        frozen = gc.get_freeze_count()
+        heap.reclaim(watched)
+        assert watched[0]() is None
+        assert gc.get_freeze_count() == frozen  # freed by the ordinary collection; the parked heap stayed parked
+    finally:
+        gc.unfreeze()
+
+
+def test_a_watched_cycle_in_the_parked_heap_still_gets_the_full_collection():
+    try:
+        model = Node()
+        heap.park()
+        watched = heap.watch([model])
+        del model
+        heap.reclaim(watched)
+        assert watched[0]() is None
+        assert gc.get_freeze_count() > 0  # parked again
+    finally:
+        gc.unfreeze()
+
+
+def test_what_cannot_be_watched_is_not_known():
+    assert heap.watch(None) is None
+    assert heap.watch([1, "weights"]) is None  # ints and strings take no weak references: reclaim collects all

@@ -275,6 +275,9 @@ class LLMBackend(Backend):
         taken, self.logprobs = self.logprobs, {}
         return taken
 
+    def held(self) -> tuple:
+        return (self.model,) if getattr(self, "model", None) is not None else ()
+
     def unload(self) -> None:
         self.model = None
         if getattr(self, "guides", None) is not None:

@@ -363,6 +363,9 @@ class PythonBackend(Backend):
                         "out; killed", self.config.name, self.process.pid)
             self.process.kill()
 
+    def held(self) -> tuple:
+        return ()  # the model lives in its own process, which unload stops
+
     def unload(self) -> None:
         if self.process is not None:
             self.process.stop(0 if self._in_flight else FINALIZE_S)
