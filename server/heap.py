@@ -51,9 +51,15 @@ _kept = False  # keep() set glibc's thresholds (trim() lowers the trim threshold
 ONEDNN_CACHE = "16384"  # oneDNN primitive cache entries (its default: 1,024), read at its first primitive
 
 
+_parked = False  # park() ran and reclaim() has something to hand back (gc.get_freeze_count() walks the
+# whole parked list to count it: 70 ms of the loop on a server with torch imported, on every unload)
+
+
 def park() -> None:
+    global _parked
     gc.collect()
     gc.freeze()
+    _parked = True
     first, *older = gc.get_threshold()
     gc.set_threshold(max(first, GEN0_THRESHOLD), *older)  # a threshold set higher elsewhere is kept
 
@@ -68,7 +74,7 @@ def reclaim(watched: list[weakref.ref] | None = None) -> None:
     where a cycle among objects made since the last park holds it, the ordinary collection (which walks
     only those) frees it; only a cycle reaching into the parked heap needs the full one. None: not known,
     so the full collection runs, as it does for every unload without weak references to go by."""
-    if not gc.get_freeze_count():
+    if not _parked:
         return
     if watched is not None:
         if not any(ref() is not None for ref in watched):
@@ -78,6 +84,13 @@ def reclaim(watched: list[weakref.ref] | None = None) -> None:
             return
     gc.unfreeze()
     park()
+
+
+def unpark() -> None:
+    """Hand the parked heap back to the collector for good (tests that parked it leave it as they found it)."""
+    global _parked
+    gc.unfreeze()
+    _parked = False
 
 
 def watch(objects) -> list[weakref.ref] | None:

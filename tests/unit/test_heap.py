@@ -30,7 +30,7 @@ def test_a_cycle_parked_at_startup_is_freed_by_reclaim_after_an_unload():
         assert alive() is None
         assert gc.get_freeze_count() > 0  # what survives is parked again
     finally:
-        gc.unfreeze()
+        heap.unpark()
 
 
 def test_after_startup_the_objects_of_requests_in_flight_trigger_no_collection():
@@ -59,11 +59,11 @@ def test_after_startup_the_objects_of_requests_in_flight_trigger_no_collection()
     finally:
         gc.callbacks.remove(count)
         gc.set_threshold(*saved)
-        gc.unfreeze()
+        heap.unpark()
 
 
 def test_reclaim_does_nothing_where_nothing_was_parked():
-    gc.unfreeze()
+    heap.unpark()
     heap.reclaim()
     assert gc.get_freeze_count() == 0
 
@@ -137,7 +137,7 @@ def test_an_unload_whose_models_refcounting_freed_walks_nothing():
         assert seen == []  # no collection at all
         assert gc.get_freeze_count() == frozen  # the parked heap was not handed back
     finally:
-        gc.unfreeze()
+        heap.unpark()
 
 
 def test_a_cycle_made_after_the_park_is_freed_without_unparking():
@@ -151,7 +151,7 @@ def test_a_cycle_made_after_the_park_is_freed_without_unparking():
         assert watched[0]() is None
         assert gc.get_freeze_count() == frozen  # freed by the ordinary collection; the parked heap stayed parked
     finally:
-        gc.unfreeze()
+        heap.unpark()
 
 
 def test_a_watched_cycle_in_the_parked_heap_still_gets_the_full_collection():
@@ -164,7 +164,7 @@ def test_a_watched_cycle_in_the_parked_heap_still_gets_the_full_collection():
         assert watched[0]() is None
         assert gc.get_freeze_count() > 0  # parked again
     finally:
-        gc.unfreeze()
+        heap.unpark()
 
 
 def test_what_cannot_be_watched_is_not_known():

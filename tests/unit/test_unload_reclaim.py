@@ -62,7 +62,7 @@ def _unloads(root, trapped: str | None) -> tuple[list[int], list]:
     try:
         watched = asyncio.run(main())
     finally:
-        gc.unfreeze()
+        heap.unpark()
     return seen, watched
 
 
