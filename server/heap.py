@@ -4,7 +4,8 @@ Startup leaves millions of long-lived objects (torch, onnx, protobuf descriptors
 collection walks every one of them: a stall of tens of ms for every request in flight, which set the
 light benchmark model's p99. Once loading is done they are parked outside the collector. Parked
 objects are still freed by reference counting; only a reference cycle among them would outlive its
-use, so an unload hands everything back to the collector once and parks what survives.
+use, so an unload that leaves what its model held alive hands everything back to the collector once and
+parks what survives; one whose model reference counting freed walks nothing (`reclaim`).
 
 The youngest generation is collected every 700 net allocations of container objects by default, and a
 request in flight holds about 40 of them (its message wrappers, dicts, future, coroutine frames, gRPC's

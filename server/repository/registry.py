@@ -147,9 +147,9 @@ class Registry:
         versions = list(self._models.get(name, {}).values())
         for mv in versions:
             mv.cold = True  # from now on a request for it waits for its next load, not for this unload
-        # no full collection (heap.reclaim): evictions come several a second under a tight budget, and each
-        # one walking every object on the event loop stalled the loaded models' requests (bench/many_models.py)
-        await self._owned(self._locked(name, self._retire(versions, self.drain_grace_s, reclaim=False)))
+        # Evictions come several a second under a tight budget: heap.reclaim walks the parked heap only where
+        # a cycle keeps what the model held, which the budget would otherwise count as freed while it stays.
+        await self._owned(self._locked(name, self._retire(versions, self.drain_grace_s)))
         for mv in versions:
             mv.state, mv.reason, mv.runner, mv.footprint = UNAVAILABLE, why, None, None
         await asyncio.to_thread(heap.trim)  # it walks every arena: not on the loop, where requests are served
@@ -251,7 +251,7 @@ class Registry:
         return mv
 
     @staticmethod
-    async def _retire(versions: list[ModelVersion], grace_s: float, reclaim: bool = True) -> None:
+    async def _retire(versions: list[ModelVersion], grace_s: float) -> None:
         closing, watched = [], []
         for mv in versions:
             if mv.runner is not None:
@@ -263,7 +263,7 @@ class Registry:
         await asyncio.gather(*closing)
         for mv in versions:
             mv.backends = ()
-        if closing and reclaim:
+        if closing:
             heap.reclaim(watched)
 
     def get(self, name: str, version: str = "", cold_ok: bool = False) -> ModelVersion:
