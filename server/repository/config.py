@@ -44,6 +44,7 @@ def config_path(model_dir: Path) -> Path | None:
 # parsed in 0.04 ms against 0.25: under on-demand loading every load reads its config again)
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
+
 def read_config(model_dir: Path) -> mc.ModelConfig:
     """Parse the model's config file, or start from an empty one named after the folder."""
     path = config_path(model_dir)
