@@ -20,12 +20,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
 
 
-def start_server(cmd: list[str], timeout_s: float = 120, lines: list[str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_server(cmd: list[str], timeout_s: float = 120, lines: list[str] | None = None,
+                 cwd: Path = ROOT) -> tuple[subprocess.Popen, str]:
     """Start a server that prints `ferry: serving gRPC on HOST:PORT` and `ferry: ready`.
 
-    `lines`, when given, receives what it printed up to `ready` (e.g. the metrics address).
+    `lines`, when given, receives what it printed up to `ready` (e.g. the metrics address). `cwd`: the
+    checkout whose `server` package `python -m server` runs (another one to compare against).
     """
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     address = None
     for line in proc.stdout:

@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 from pathlib import Path
 
 from bench import many_models, models
-from bench.common import ROOT, append_results, load_note, table
+from bench.common import ROOT, append_results, ferry_command, load_note, start_server, table
 from clients import loadgen, perf
 from clients.client import InferenceClient
 
@@ -34,21 +32,7 @@ RELOAD_EVERY_S = 0.2
 
 
 def serve(checkout: Path, repo: Path) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "server", "serve", "--model-repository", str(repo), "--grpc-port", "0", "--http-port", "0",
-           "--metrics-port", "0", "--model-control-mode", "explicit", "--load-model", "*"]
-    proc = subprocess.Popen(cmd, cwd=checkout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(checkout)})
-    address = None
-    for line in proc.stdout:
-        found = re.search(r"ferry: serving gRPC on (\S+)", line)
-        address = found.group(1) if found else address
-        if line.startswith("ferry: ready"):
-            break
-    if address is None:
-        proc.kill()
-        raise RuntimeError(f"server from {checkout} did not start")
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    return proc, address
+    return start_server(ferry_command(repo, "--model-control-mode", "explicit", "--load-model", "*"), cwd=checkout)
 
 
 def measure(address: str, payloads: list[bytes], reloading: bool, duration_s: float) -> dict:
