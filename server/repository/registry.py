@@ -332,6 +332,10 @@ class Registry:
 
     async def close(self, grace_s: float) -> None:
         await self._retire(self.all_versions(), grace_s)
+        # Stopping stalls no request: collect everything, so what only a cycle still holds is let go before
+        # the process ends (requests' tensors among it, which hold front ends' arena blocks until freed:
+        # tests/integration/test_frontend_processes.py checks every block is back at stop).
+        heap.reclaim()
         for folder in list(self._staged):
             self._forget_folder(folder)
 
